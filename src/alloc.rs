@@ -1,0 +1,215 @@
+//! Free-space allocator: free extents in an ordered map, pinned extents, and a
+//! metadata reserve.
+//!
+//! Invariant (DESIGN "pinned extents"): a block freed in generation N is not handed out
+//! again before the superblock of generation N is durable. Frees go to `pinned` and
+//! return to `free` only through `unpin` after the commit's final flush.
+//!
+//! The reserve keeps room for the tree copies that a commit, an unlink or an rmdir
+//! needs on a full disk: operations that add data or names refuse with ENOSPC before
+//! the free space falls into it; freeing operations and commit may use it.
+
+use std::collections::BTreeMap;
+
+use crate::error::{Error, Result};
+
+/// Free extents of one device.
+#[derive(Debug, Clone)]
+pub(crate) struct Allocator {
+    free: BTreeMap<u64, u64>,
+    pinned: Vec<(u64, u64)>,
+    free_bytes: u64,
+    pinned_bytes: u64,
+    reserve: u64,
+    cursor: u64,
+}
+
+impl Allocator {
+    /// An allocator over `[start, end)` less `holes`, keeping `reserve` bytes back.
+    pub(crate) fn new(start: u64, end: u64, holes: &[(u64, u64)], reserve: u64) -> Allocator {
+        let mut a = Allocator {
+            free: BTreeMap::new(),
+            pinned: Vec::new(),
+            free_bytes: 0,
+            pinned_bytes: 0,
+            reserve,
+            cursor: start,
+        };
+        a.add_free(start, end - start);
+        for &(s, l) in holes {
+            a.mark_used(s, l);
+        }
+        a
+    }
+
+    /// Free bytes, not counting pinned ones.
+    pub(crate) fn free_bytes(&self) -> u64 {
+        self.free_bytes
+    }
+
+    /// Bytes freed in running or committing generations.
+    pub(crate) fn pinned_bytes(&self) -> u64 {
+        self.pinned_bytes
+    }
+
+    /// The metadata reserve.
+    pub(crate) fn reserve(&self) -> u64 {
+        self.reserve
+    }
+
+    /// Whether an operation that adds `need` bytes of data may start.
+    pub(crate) fn has_room(&self, need: u64) -> bool {
+        self.free_bytes >= self.reserve.saturating_add(need)
+    }
+
+    fn add_free(&mut self, mut start: u64, mut len: u64) {
+        if len == 0 {
+            return;
+        }
+        self.free_bytes += len;
+        if let Some((&ps, &pl)) = self.free.range(..start).next_back() {
+            debug_assert!(ps + pl <= start, "double free of {start:#x}");
+            if ps + pl == start {
+                self.free.remove(&ps);
+                start = ps;
+                len += pl;
+            }
+        }
+        if let Some(&nl) = self.free.get(&(start + len)) {
+            self.free.remove(&(start + len));
+            len += nl;
+        }
+        self.free.insert(start, len);
+    }
+
+    /// Removes `[start, start+len)` from free space wherever it is free.
+    pub(crate) fn mark_used(&mut self, start: u64, len: u64) {
+        let end = start + len;
+        let overl: Vec<(u64, u64)> = self
+            .free
+            .range(..end)
+            .rev()
+            .take_while(|(&s, &l)| s + l > start)
+            .map(|(&s, &l)| (s, l))
+            .collect();
+        for (s, l) in overl {
+            self.free.remove(&s);
+            self.free_bytes -= l;
+            if s < start {
+                self.free.insert(s, start - s);
+                self.free_bytes += start - s;
+            }
+            if s + l > end {
+                self.free.insert(end, s + l - end);
+                self.free_bytes += s + l - end;
+            }
+        }
+    }
+
+    /// Allocates up to `len` bytes (a multiple of 4 KiB), at least `min` contiguous,
+    /// next-fit from the last allocation. `reserve_ok` lets it dip into the reserve.
+    pub(crate) fn alloc(&mut self, len: u64, min: u64, reserve_ok: bool) -> Result<(u64, u64)> {
+        let limit = if reserve_ok { 0 } else { self.reserve };
+        if self.free_bytes < limit.saturating_add(min) {
+            return Err(Error::NoSpace);
+        }
+        let pick = self
+            .free
+            .range(self.cursor..)
+            .chain(self.free.range(..self.cursor))
+            .find(|(_, &l)| l >= len)
+            .or_else(|| {
+                self.free
+                    .iter()
+                    .filter(|(_, &l)| l >= min)
+                    .max_by_key(|(_, &l)| l)
+            })
+            .map(|(&s, &l)| (s, l));
+        let (s, l) = pick.ok_or(Error::NoSpace)?;
+        let take = len.min(l);
+        if !reserve_ok && self.free_bytes - take < self.reserve {
+            return Err(Error::NoSpace);
+        }
+        self.free.remove(&s);
+        self.free_bytes -= l;
+        if l > take {
+            self.free.insert(s + take, l - take);
+            self.free_bytes += l - take;
+        }
+        self.cursor = s + take;
+        Ok((s, take))
+    }
+
+    /// Frees an extent once the running generation is durable.
+    pub(crate) fn pin(&mut self, start: u64, len: u64) {
+        self.pinned.push((start, len));
+        self.pinned_bytes += len;
+    }
+
+    /// Takes the extents pinned so far (at commit), to release after the flush.
+    pub(crate) fn take_pinned(&mut self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.pinned)
+    }
+
+    /// Returns extents whose freeing commit is durable.
+    pub(crate) fn unpin(&mut self, list: Vec<(u64, u64)>) {
+        for (s, l) in list {
+            self.pinned_bytes -= l;
+            self.add_free(s, l);
+        }
+    }
+
+    /// Free extents, for check and tests.
+    pub(crate) fn free_extents(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.free.iter().map(|(&s, &l)| (s, l))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_pin_unpin_and_coalesce() {
+        let mut a = Allocator::new(0, 1 << 20, &[(4096, 4096)], 0);
+        assert_eq!(a.free_bytes(), (1 << 20) - 4096);
+        let (s, l) = a.alloc(8192, 4096, false).unwrap();
+        assert_eq!(l, 8192);
+        assert!(s >= 8192, "must skip the hole");
+        a.pin(s, l);
+        let before = a.free_bytes();
+        let p = a.take_pinned();
+        assert_eq!(a.free_bytes(), before, "pinned space is not free");
+        a.unpin(p);
+        assert_eq!(a.free_bytes(), before + 8192);
+        assert_eq!(a.free_extents().count(), 2, "freed range coalesced back");
+    }
+
+    #[test]
+    fn reserve_refuses_data_but_not_metadata() {
+        let mut a = Allocator::new(0, 64 << 10, &[], 32 << 10);
+        assert!(a.alloc(32 << 10, 4096, false).is_ok());
+        assert!(matches!(a.alloc(4096, 4096, false), Err(Error::NoSpace)));
+        assert!(a.alloc(4096, 4096, true).is_ok());
+        assert!(!a.has_room(1));
+    }
+
+    #[test]
+    fn short_extents_when_fragmented() {
+        let mut a = Allocator::new(0, 16 * 4096, &[], 0);
+        let mut got = vec![];
+        while let Ok(x) = a.alloc(4096, 4096, false) {
+            got.push(x);
+        }
+        assert_eq!(got.len(), 16);
+        for (i, x) in got.iter().enumerate() {
+            if i % 2 == 0 {
+                a.pin(x.0, x.1);
+            }
+        }
+        let p = a.take_pinned();
+        a.unpin(p);
+        let (_, l) = a.alloc(65536, 4096, false).unwrap();
+        assert_eq!(l, 4096, "only single blocks are free");
+    }
+}

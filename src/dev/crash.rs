@@ -1,0 +1,169 @@
+//! A crash-recording device: keeps every write and flush so tests can rebuild what a
+//! power cut could leave on the disk.
+//!
+//! Model: writes between two flushes may reach the disk in any order, in part (a
+//! multi-block write may be torn at 4 KiB boundaries), or not at all; a flush makes
+//! every earlier write durable.
+
+use std::io;
+
+use parking_lot::Mutex;
+
+use super::mem::check_range;
+use super::BlockDev;
+
+/// One recorded device operation.
+#[derive(Debug, Clone)]
+pub enum CrashOp {
+    /// A write of `data` at `off`.
+    Write {
+        /// Byte offset.
+        off: u64,
+        /// The bytes written.
+        data: Vec<u8>,
+    },
+    /// A durability barrier.
+    Flush,
+}
+
+#[derive(Debug)]
+struct Inner {
+    base: Vec<u8>,
+    live: Vec<u8>,
+    ops: Vec<CrashOp>,
+    fail_after: Option<usize>,
+}
+
+/// A memory device that records every write and flush since it was made.
+#[derive(Debug)]
+pub struct CrashDev {
+    inner: Mutex<Inner>,
+}
+
+impl CrashDev {
+    /// Records on top of `image`, which counts as durable.
+    pub fn new(image: Vec<u8>) -> CrashDev {
+        CrashDev {
+            inner: Mutex::new(Inner {
+                live: image.clone(),
+                base: image,
+                ops: Vec::new(),
+                fail_after: None,
+            }),
+        }
+    }
+
+    /// The operations recorded so far.
+    pub fn ops(&self) -> Vec<CrashOp> {
+        self.inner.lock().ops.clone()
+    }
+
+    /// Number of recorded operations.
+    pub fn op_count(&self) -> usize {
+        self.inner.lock().ops.len()
+    }
+
+    /// Makes every write and flush after `n` more operations fail with EIO (a dead disk).
+    pub fn fail_after(&self, n: usize) {
+        let mut g = self.inner.lock();
+        g.fail_after = Some(g.ops.len() + n);
+    }
+
+    /// The disk as it is now, as if every write had landed.
+    pub fn live_image(&self) -> Vec<u8> {
+        self.inner.lock().live.clone()
+    }
+
+    /// The image after applying ops `[0, upto)` whole, then `extra` (writes from the
+    /// unflushed tail chosen by the caller, possibly torn).
+    pub fn image_with(&self, upto: usize, extra: &[(u64, &[u8])]) -> Vec<u8> {
+        let g = self.inner.lock();
+        let mut img = g.base.clone();
+        for op in &g.ops[..upto] {
+            if let CrashOp::Write { off, data } = op {
+                img[*off as usize..*off as usize + data.len()].copy_from_slice(data);
+            }
+        }
+        for (off, data) in extra {
+            img[*off as usize..*off as usize + data.len()].copy_from_slice(data);
+        }
+        img
+    }
+
+    /// Indexes just after each flush: the states a power cut right after a flush leaves.
+    pub fn flush_points(&self) -> Vec<usize> {
+        let g = self.inner.lock();
+        g.ops
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| matches!(o, CrashOp::Flush))
+            .map(|(i, _)| i + 1)
+            .collect()
+    }
+
+    fn check_fail(g: &Inner) -> io::Result<()> {
+        match g.fail_after {
+            Some(n) if g.ops.len() >= n => Err(io::Error::from_raw_os_error(libc::EIO)),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl BlockDev for CrashDev {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        let g = self.inner.lock();
+        let o = check_range(buf.len(), off, g.live.len())?;
+        buf.copy_from_slice(&g.live[o..o + buf.len()]);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        let mut g = self.inner.lock();
+        Self::check_fail(&g)?;
+        let o = check_range(buf.len(), off, g.live.len())?;
+        g.live[o..o + buf.len()].copy_from_slice(buf);
+        g.ops.push(CrashOp::Write {
+            off,
+            data: buf.to_vec(),
+        });
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        let mut g = self.inner.lock();
+        Self::check_fail(&g)?;
+        g.ops.push(CrashOp::Flush);
+        Ok(())
+    }
+    fn size(&self) -> u64 {
+        self.inner.lock().live.len() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_writes_and_rebuilds_flush_points() {
+        let d = CrashDev::new(vec![0; 8192]);
+        d.write_at(&[1; 4096], 0).unwrap();
+        d.flush().unwrap();
+        d.write_at(&[2; 4096], 4096).unwrap();
+        assert_eq!(d.flush_points(), vec![2]);
+        let at_flush = d.image_with(2, &[]);
+        assert_eq!(&at_flush[..4096], &[1; 4096][..]);
+        assert_eq!(&at_flush[4096..], &[0; 4096][..]);
+        assert_eq!(&d.live_image()[4096..], &[2; 4096][..]);
+        let torn = d.image_with(2, &[(4096, &[2; 100])]);
+        assert_eq!(torn[4096 + 99], 2);
+        assert_eq!(torn[4096 + 100], 0);
+    }
+
+    #[test]
+    fn fail_after_makes_writes_fail() {
+        let d = CrashDev::new(vec![0; 4096]);
+        d.fail_after(1);
+        d.write_at(&[1; 10], 0).unwrap();
+        assert!(d.write_at(&[1; 10], 0).is_err());
+        assert!(d.flush().is_err());
+    }
+}

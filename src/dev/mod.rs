@@ -1,0 +1,23 @@
+//! Block devices: what the engine reads from and writes to.
+
+mod crash;
+mod file;
+mod mem;
+
+pub use crash::{CrashDev, CrashOp};
+pub use file::FileDev;
+pub use mem::MemDev;
+
+use std::io;
+
+/// A byte-addressed device with a durability barrier.
+pub trait BlockDev: Send + Sync {
+    /// Reads exactly `buf.len()` bytes at `off`.
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()>;
+    /// Writes all of `buf` at `off`; not durable until `flush`.
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Size in bytes.
+    fn size(&self) -> u64;
+}

@@ -1,0 +1,106 @@
+//! The library's error type and its one mapping to errno.
+
+use std::io;
+
+/// Every failure the engine reports; `errno()` is the one place it maps to POSIX.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No such file, directory or attribute owner.
+    #[error("not found")]
+    NotFound,
+    /// The name already exists.
+    #[error("already exists")]
+    Exists,
+    /// A path component or target is not a directory.
+    #[error("not a directory")]
+    NotDir,
+    /// The operation needs a non-directory.
+    #[error("is a directory")]
+    IsDir,
+    /// The directory still has entries.
+    #[error("directory not empty")]
+    NotEmpty,
+    /// A name longer than 255 bytes.
+    #[error("name too long")]
+    NameTooLong,
+    /// No space left for data or metadata.
+    #[error("no space left on device")]
+    NoSpace,
+    /// The argument is not valid for this operation.
+    #[error("invalid argument: {0}")]
+    Invalid(&'static str),
+    /// The operation is not permitted (e.g. hard link to a directory).
+    #[error("operation not permitted")]
+    Perm,
+    /// Access denied by permission bits.
+    #[error("permission denied")]
+    Access,
+    /// The extended attribute does not exist.
+    #[error("no such attribute")]
+    NoData,
+    /// The caller's buffer is too small.
+    #[error("result too large for buffer")]
+    Range,
+    /// A value or file size beyond what the format stores.
+    #[error("too large")]
+    TooBig,
+    /// The filesystem is mounted read-only.
+    #[error("read-only filesystem")]
+    ReadOnly,
+    /// The operation is not supported.
+    #[error("operation not supported")]
+    NotSupported,
+    /// On-disk data failed verification; it is never returned to the caller.
+    #[error("corrupt {what} at {addr:#x}: {why}")]
+    Corrupt {
+        /// What was being read (node, data block, superblock).
+        what: &'static str,
+        /// Device byte address.
+        addr: u64,
+        /// Which check failed.
+        why: String,
+    },
+    /// The image is not birchfs, or of a format this build refuses.
+    #[error("{0}")]
+    BadImage(String),
+    /// The device returned an I/O error.
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl Error {
+    /// The errno a system call reports for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::NotFound => libc::ENOENT,
+            Error::Exists => libc::EEXIST,
+            Error::NotDir => libc::ENOTDIR,
+            Error::IsDir => libc::EISDIR,
+            Error::NotEmpty => libc::ENOTEMPTY,
+            Error::NameTooLong => libc::ENAMETOOLONG,
+            Error::NoSpace => libc::ENOSPC,
+            Error::Invalid(_) => libc::EINVAL,
+            Error::Perm => libc::EPERM,
+            Error::Access => libc::EACCES,
+            Error::NoData => libc::ENODATA,
+            Error::Range => libc::ERANGE,
+            Error::TooBig => libc::EFBIG,
+            Error::ReadOnly => libc::EROFS,
+            Error::NotSupported => libc::EOPNOTSUPP,
+            Error::Corrupt { .. } | Error::BadImage(_) => libc::EIO,
+            Error::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+
+    pub(crate) fn corrupt(what: &'static str, addr: u64, why: impl Into<String>) -> Error {
+        Error::Corrupt {
+            what,
+            addr,
+            why: why.into(),
+        }
+    }
+}
+
+/// Result with the library's error.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,154 @@
+//! On-disk format v1: constants, keys, superblock, nodes and items.
+//!
+//! ```text
+//! device byte offset
+//! 0        64K        68K        1M                1M+log_len            ...  64M (copy 2)  ...
+//! | unused | SUPER #0 | unused   | LOG AREA        | allocatable: tree nodes and data extents |
+//! ```
+//! Superblock copies live at 64 KiB, 64 MiB and 256 GiB where the device reaches
+//! them; those 4 KiB blocks are never allocated. Integers are little-endian.
+
+mod item;
+mod key;
+mod node;
+mod superblock;
+
+pub(crate) use item::{
+    decode_dir_entries, decode_inode_refs, decode_xattrs, encode_dir_entries, encode_inode_refs,
+    encode_xattrs, InodeRef,
+};
+pub use item::{
+    DirEntry, ExtentItem, FileExtent, InodeItem, RootItem, Timespec, XattrEntry, EXTENT_FLAG_DATA,
+    EXTENT_FLAG_TREE, FILE_EXTENT_PREALLOC, FILE_EXTENT_REG,
+};
+pub use key::Key;
+pub use node::{decode_node, encode_node, NodeBody, NodeHeader, NODE_HEADER_SIZE};
+pub use superblock::{Superblock, SUPER_SIZE};
+
+/// Size of a data block and of a sector.
+pub const BLOCK_SIZE: u64 = 4096;
+/// Default B-tree node size.
+pub const DEFAULT_NODE_SIZE: u32 = 16384;
+/// Magic at the start of every superblock.
+pub const MAGIC: [u8; 8] = *b"BIRCHFS1";
+/// Offsets of the superblock copies.
+pub const SUPER_OFFSETS: [u64; 3] = [64 << 10, 64 << 20, 256 << 30];
+/// Where the log area starts.
+pub const LOG_START: u64 = 1 << 20;
+/// Smallest device mkfs accepts.
+pub const MIN_DEVICE_SIZE: u64 = 32 << 20;
+/// Longest name in a directory.
+pub const NAME_MAX: usize = 255;
+/// Longest symlink target.
+pub const SYMLINK_MAX: usize = 4095;
+/// Largest item payload; two always fit in a node, so a split always succeeds.
+pub const MAX_ITEM_SIZE: usize = 7000;
+/// Largest data extent (its checksum item is 4 bytes per block).
+pub const MAX_EXTENT_SIZE: u64 = 1 << 20;
+/// Largest file size.
+pub const MAX_FILE_SIZE: u64 = 1 << 50;
+
+/// Incompatible feature flags this build understands; any other bit refuses the image.
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE;
+/// Base v1 format: CoW trees, extent refcounts, crc32c checksums, reserved log area.
+pub const INCOMPAT_BASE: u64 = 1;
+
+/// Tree ids (objectids of ROOT_ITEMs in the root tree).
+pub mod tree {
+    /// Holds a ROOT_ITEM per other tree.
+    pub const ROOT: u64 = 1;
+    /// Extent refcounts, for data and tree nodes.
+    pub const EXTENT: u64 = 2;
+    /// The default subvolume's files.
+    pub const FS: u64 = 5;
+    /// crc32c of data blocks, keyed by extent address.
+    pub const CSUM: u64 = 7;
+}
+
+/// Key types, ordered as btrfs orders them.
+pub mod kind {
+    /// Inode attributes.
+    pub const INODE_ITEM: u8 = 1;
+    /// Names an inode goes by, keyed by parent.
+    pub const INODE_REF: u8 = 12;
+    /// Extended attributes, keyed by name hash.
+    pub const XATTR_ITEM: u8 = 24;
+    /// An inode to free at mount.
+    pub const ORPHAN_ITEM: u8 = 48;
+    /// Directory entries keyed by name hash.
+    pub const DIR_ITEM: u8 = 84;
+    /// Directory entries keyed by insertion sequence (readdir order).
+    pub const DIR_INDEX: u8 = 96;
+    /// A symlink's target.
+    pub const SYMLINK: u8 = 100;
+    /// A file extent (file offset -> disk extent).
+    pub const EXTENT_DATA: u8 = 108;
+    /// Data checksums of one extent.
+    pub const EXTENT_CSUM: u8 = 128;
+    /// A tree root.
+    pub const ROOT_ITEM: u8 = 132;
+    /// An allocated extent with its refcount.
+    pub const EXTENT_ITEM: u8 = 168;
+}
+
+/// Object ids with fixed meaning.
+pub mod objectid {
+    /// The root directory of a subvolume.
+    pub const ROOT_DIR: u64 = 256;
+    /// First inode number handed out after the root.
+    pub const FIRST_FREE: u64 = 257;
+    /// Holds ORPHAN_ITEMs.
+    pub const ORPHAN: u64 = u64::MAX - 4;
+    /// Holds EXTENT_CSUM items.
+    pub const CSUM: u64 = u64::MAX - 9;
+    /// Inode numbers are below this.
+    pub const LAST_INODE: u64 = u64::MAX - 256;
+}
+
+/// crc32c as every checksum in the format uses it.
+pub fn csum(data: &[u8]) -> u32 {
+    crc32c::crc32c(data)
+}
+
+/// 64-bit hash of a name, the offset of its DIR_ITEM and XATTR_ITEM.
+pub fn name_hash(name: &[u8]) -> u64 {
+    let hi = crc32c::crc32c_append(!0, name) as u64;
+    let lo = crc32c::crc32c_append(0x9e37_79b9, name) as u64;
+    (hi << 32) | lo
+}
+
+/// Little-endian readers over a byte slice, returning `None` past the end.
+pub(crate) struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Reader { buf }
+    }
+    pub(crate) fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+    pub(crate) fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.buf.len() < n {
+            return None;
+        }
+        let (a, b) = self.buf.split_at(n);
+        self.buf = b;
+        Some(a)
+    }
+    pub(crate) fn u8(&mut self) -> Option<u8> {
+        self.bytes(1).map(|b| b[0])
+    }
+    pub(crate) fn u16(&mut self) -> Option<u16> {
+        self.bytes(2).map(|b| u16::from_le_bytes([b[0], b[1]]))
+    }
+    pub(crate) fn u32(&mut self) -> Option<u32> {
+        self.bytes(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+    }
+    pub(crate) fn u64(&mut self) -> Option<u64> {
+        self.bytes(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+    }
+}

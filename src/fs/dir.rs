@@ -1,0 +1,483 @@
+//! Directories: entries by name hash (DIR_ITEM), by sequence (DIR_INDEX, readdir
+//! order and stable offsets) and back-references (INODE_REF).
+//!
+//! Every name is in all three places; `check` verifies they agree. A readdir offset is
+//! a DIR_INDEX sequence number, so it stays valid while entries come and go.
+
+use super::inode::FileKind;
+use super::{Attr, Creds, DirEntryOut, Inner, RenameFlags};
+use crate::error::{Error, Result};
+use crate::format::{
+    decode_dir_entries, decode_inode_refs, encode_dir_entries, encode_inode_refs, kind, name_hash,
+    objectid, tree, DirEntry, InodeItem, InodeRef, Key, Timespec, MAX_ITEM_SIZE, NAME_MAX,
+    SYMLINK_MAX,
+};
+
+fn check_name(name: &[u8]) -> Result<()> {
+    if name.len() > NAME_MAX {
+        return Err(Error::NameTooLong);
+    }
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+        return Err(Error::Invalid("bad file name"));
+    }
+    Ok(())
+}
+
+fn dir_item_key(dir: u64, name: &[u8]) -> Key {
+    Key::new(dir, kind::DIR_ITEM, name_hash(name))
+}
+
+fn dir_index_key(dir: u64, index: u64) -> Key {
+    Key::new(dir, kind::DIR_INDEX, index)
+}
+
+fn inode_ref_key(ino: u64, parent: u64) -> Key {
+    Key::new(ino, kind::INODE_REF, parent)
+}
+
+fn is_dir(i: &InodeItem) -> bool {
+    i.mode.get() & libc::S_IFMT == libc::S_IFDIR
+}
+
+impl Inner {
+    /// A directory's inode item, or ENOTDIR / ENOENT.
+    fn dir_inode(&mut self, dir: u64) -> Result<InodeItem> {
+        let d = self.get_inode(dir)?;
+        if !is_dir(&d) {
+            return Err(Error::NotDir);
+        }
+        Ok(d)
+    }
+
+    pub(crate) fn find_entry(&mut self, dir: u64, name: &[u8]) -> Result<Option<DirEntry>> {
+        let Some(v) = self.store.search(tree::FS, &dir_item_key(dir, name))? else {
+            return Ok(None);
+        };
+        let list =
+            decode_dir_entries(&v).ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))?;
+        Ok(list.into_iter().find(|e| e.name == name))
+    }
+
+    /// The parent of a directory (the root is its own parent).
+    pub(crate) fn parent_of(&mut self, dir: u64) -> Result<u64> {
+        if dir == objectid::ROOT_DIR {
+            return Ok(dir);
+        }
+        let r = self.store.range(
+            tree::FS,
+            &Key::new(dir, kind::INODE_REF, 0),
+            &Key::new(dir, kind::INODE_REF + 1, 0),
+            1,
+        )?;
+        r.first()
+            .map(|(k, _)| k.offset)
+            .ok_or_else(|| Error::corrupt("inode", dir, "directory without a parent"))
+    }
+
+    /// Applies `f` to an inode item and writes it back.
+    fn update_inode(&mut self, ino: u64, f: impl FnOnce(&mut InodeItem)) -> Result<InodeItem> {
+        let mut i = self.get_inode(ino)?;
+        f(&mut i);
+        self.put_inode(ino, &mut i)?;
+        Ok(i)
+    }
+
+    fn add_entry(&mut self, dir: u64, name: &[u8], ino: u64, dtype: u8) -> Result<()> {
+        let now = Timespec::now();
+        let mut d = self.get_inode(dir)?;
+        let index = d.next_index.get();
+        d.next_index = (index + 1).into();
+        d.size = (d.size.get() + name.len() as u64 * 2).into();
+        d.mtime = now;
+        d.ctime = now;
+        let entry = DirEntry {
+            ino,
+            dtype,
+            index,
+            name: name.to_vec(),
+        };
+        let ik = dir_item_key(dir, name);
+        let mut list = match self.store.search(tree::FS, &ik)? {
+            Some(v) => decode_dir_entries(&v)
+                .ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))?,
+            None => Vec::new(),
+        };
+        list.push(entry.clone());
+        let enc = encode_dir_entries(&list);
+        if enc.len() > MAX_ITEM_SIZE {
+            return Err(Error::NoSpace);
+        }
+        let rk = inode_ref_key(ino, dir);
+        let mut refs = match self.store.search(tree::FS, &rk)? {
+            Some(v) => decode_inode_refs(&v)
+                .ok_or_else(|| Error::corrupt("inode ref", ino, "malformed"))?,
+            None => Vec::new(),
+        };
+        refs.push(InodeRef {
+            index,
+            name: name.to_vec(),
+        });
+        let renc = encode_inode_refs(&refs);
+        if renc.len() > MAX_ITEM_SIZE {
+            return Err(Error::Invalid("too many links in one directory"));
+        }
+        self.store.insert(tree::FS, ik, enc)?;
+        self.store.insert(
+            tree::FS,
+            dir_index_key(dir, index),
+            encode_dir_entries(&[entry]),
+        )?;
+        self.store.insert(tree::FS, rk, renc)?;
+        self.put_inode(dir, &mut d)
+    }
+
+    fn remove_entry(&mut self, dir: u64, name: &[u8]) -> Result<DirEntry> {
+        let now = Timespec::now();
+        let ik = dir_item_key(dir, name);
+        let v = self.store.search(tree::FS, &ik)?.ok_or(Error::NotFound)?;
+        let mut list =
+            decode_dir_entries(&v).ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))?;
+        let pos = list
+            .iter()
+            .position(|e| e.name == name)
+            .ok_or(Error::NotFound)?;
+        let e = list.remove(pos);
+        if list.is_empty() {
+            self.store.delete(tree::FS, &ik)?;
+        } else {
+            self.store.insert(tree::FS, ik, encode_dir_entries(&list))?;
+        }
+        self.store.delete(tree::FS, &dir_index_key(dir, e.index))?;
+        let rk = inode_ref_key(e.ino, dir);
+        if let Some(v) = self.store.search(tree::FS, &rk)? {
+            let mut refs = decode_inode_refs(&v)
+                .ok_or_else(|| Error::corrupt("inode ref", e.ino, "malformed"))?;
+            refs.retain(|r| r.index != e.index);
+            if refs.is_empty() {
+                self.store.delete(tree::FS, &rk)?;
+            } else {
+                self.store.insert(tree::FS, rk, encode_inode_refs(&refs))?;
+            }
+        }
+        self.update_inode(dir, |d| {
+            d.size = d.size.get().saturating_sub(name.len() as u64 * 2).into();
+            d.mtime = now;
+            d.ctime = now;
+        })?;
+        Ok(e)
+    }
+
+    pub(crate) fn lookup(&mut self, parent: u64, name: &[u8]) -> Result<Attr> {
+        if name.len() > NAME_MAX {
+            return Err(Error::NameTooLong);
+        }
+        self.dir_inode(parent)?;
+        let ino = match name {
+            b"." => parent,
+            b".." => self.parent_of(parent)?,
+            _ => self.find_entry(parent, name)?.ok_or(Error::NotFound)?.ino,
+        };
+        self.getattr(ino)
+    }
+
+    pub(crate) fn create_node(
+        &mut self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u64,
+        cr: Creds,
+        target: Option<&[u8]>,
+    ) -> Result<Attr> {
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        if p.nlink.get() == 0 {
+            return Err(Error::NotFound);
+        }
+        if name == b"." || name == b".." || self.find_entry(parent, name)?.is_some() {
+            return Err(Error::Exists);
+        }
+        if let Some(t) = target {
+            if t.is_empty() {
+                return Err(Error::NotFound);
+            }
+            if t.len() > SYMLINK_MAX {
+                return Err(Error::NameTooLong);
+            }
+        }
+        self.need_room()?;
+        let mode = if mode & libc::S_IFMT == 0 {
+            mode | libc::S_IFREG
+        } else {
+            mode
+        };
+        let kind = FileKind::from_mode(mode).ok_or(Error::Invalid("bad file type"))?;
+        let (ino, mut item) = self.new_inode(mode, rdev, cr.uid, cr.gid)?;
+        if let Some(t) = target {
+            self.store
+                .insert(tree::FS, Key::new(ino, kind::SYMLINK, 0), t.to_vec())?;
+            item.size = (t.len() as u64).into();
+            self.put_inode(ino, &mut item)?;
+        }
+        self.add_entry(parent, name, ino, kind.dtype())?;
+        if kind == FileKind::Dir {
+            self.update_inode(parent, |p| p.nlink = (p.nlink.get() + 1).into())?;
+        }
+        self.attr_of(ino, &item)
+    }
+
+    pub(crate) fn readlink(&mut self, ino: u64) -> Result<Vec<u8>> {
+        let i = self.get_inode(ino)?;
+        if i.mode.get() & libc::S_IFMT != libc::S_IFLNK {
+            return Err(Error::Invalid("not a symlink"));
+        }
+        self.store
+            .search(tree::FS, &Key::new(ino, kind::SYMLINK, 0))?
+            .ok_or_else(|| Error::corrupt("symlink", ino, "target missing"))
+    }
+
+    pub(crate) fn link(&mut self, ino: u64, parent: u64, name: &[u8]) -> Result<Attr> {
+        check_name(name)?;
+        let i = self.get_inode(ino)?;
+        if is_dir(&i) {
+            return Err(Error::Perm);
+        }
+        if i.nlink.get() == 0 {
+            return Err(Error::NotFound);
+        }
+        if i.nlink.get() >= 65000 {
+            return Err(Error::Invalid("too many links"));
+        }
+        let p = self.dir_inode(parent)?;
+        if p.nlink.get() == 0 {
+            return Err(Error::NotFound);
+        }
+        if name == b"." || name == b".." || self.find_entry(parent, name)?.is_some() {
+            return Err(Error::Exists);
+        }
+        self.need_room()?;
+        let dtype = self.attr_of(ino, &i)?.kind.dtype();
+        self.add_entry(parent, name, ino, dtype)?;
+        let i = self.update_inode(ino, |i| {
+            i.nlink = (i.nlink.get() + 1).into();
+            i.ctime = Timespec::now();
+        })?;
+        self.attr_of(ino, &i)
+    }
+
+    fn dir_is_empty(&mut self, dir: u64) -> Result<bool> {
+        Ok(self
+            .store
+            .range(
+                tree::FS,
+                &Key::new(dir, kind::DIR_INDEX, 0),
+                &Key::new(dir, kind::DIR_INDEX + 1, 0),
+                1,
+            )?
+            .is_empty())
+    }
+
+    /// Drops one link of `ino` (already removed from its directory); a directory loses
+    /// both of its links. Frees the inode at zero unless it is pinned.
+    fn drop_link(&mut self, ino: u64) -> Result<()> {
+        let mut i = self.get_inode(ino)?;
+        let n = if is_dir(&i) {
+            0
+        } else {
+            i.nlink.get().saturating_sub(1)
+        };
+        i.nlink = n.into();
+        i.ctime = Timespec::now();
+        if n == 0 && !self.pinned(ino) {
+            return self.free_inode(ino);
+        }
+        self.put_inode(ino, &mut i)?;
+        if n == 0 {
+            self.add_orphan(ino)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn unlink(&mut self, parent: u64, name: &[u8], rmdir: bool) -> Result<()> {
+        if name.len() > NAME_MAX {
+            return Err(Error::NameTooLong);
+        }
+        self.dir_inode(parent)?;
+        if rmdir && name == b"." {
+            return Err(Error::Invalid("rmdir of ."));
+        }
+        if rmdir && name == b".." {
+            return Err(Error::NotEmpty);
+        }
+        let e = self.find_entry(parent, name)?.ok_or(Error::NotFound)?;
+        let child = self.get_inode(e.ino)?;
+        if rmdir {
+            if !is_dir(&child) {
+                return Err(Error::NotDir);
+            }
+            if !self.dir_is_empty(e.ino)? {
+                return Err(Error::NotEmpty);
+            }
+        } else if is_dir(&child) {
+            return Err(Error::IsDir);
+        }
+        self.remove_entry(parent, name)?;
+        if rmdir {
+            self.update_inode(parent, |p| {
+                p.nlink = (p.nlink.get().saturating_sub(1)).into()
+            })?;
+        }
+        self.drop_link(e.ino)
+    }
+
+    fn is_ancestor(&mut self, anc: u64, mut dir: u64) -> Result<bool> {
+        for _ in 0..100_000 {
+            if dir == anc {
+                return Ok(true);
+            }
+            if dir == objectid::ROOT_DIR {
+                return Ok(false);
+            }
+            dir = self.parent_of(dir)?;
+        }
+        Err(Error::corrupt("directory", dir, "parent chain loops"))
+    }
+
+    pub(crate) fn rename(
+        &mut self,
+        p: u64,
+        n: &[u8],
+        np: u64,
+        nn: &[u8],
+        flags: RenameFlags,
+    ) -> Result<()> {
+        check_name(n)?;
+        check_name(nn)?;
+        if flags.exchange && flags.noreplace {
+            return Err(Error::Invalid("NOREPLACE with EXCHANGE"));
+        }
+        self.dir_inode(p)?;
+        let npi = self.dir_inode(np)?;
+        if n == b"." || n == b".." || nn == b"." || nn == b".." {
+            return Err(Error::Invalid("rename of . or .."));
+        }
+        let src = self.find_entry(p, n)?.ok_or(Error::NotFound)?;
+        let dst = self.find_entry(np, nn)?;
+        if flags.exchange && dst.is_none() {
+            return Err(Error::NotFound);
+        }
+        if let Some(d) = &dst {
+            if flags.noreplace {
+                return Err(Error::Exists);
+            }
+            if d.ino == src.ino {
+                return Ok(());
+            }
+        }
+        let src_dir = src.dtype == libc::DT_DIR;
+        let dst_dir = dst.as_ref().is_some_and(|d| d.dtype == libc::DT_DIR);
+        if src_dir && p != np && self.is_ancestor(src.ino, np)? {
+            return Err(Error::Invalid("directory into its own subtree"));
+        }
+        if flags.exchange && dst_dir && p != np && self.is_ancestor(dst.as_ref().unwrap().ino, p)? {
+            return Err(Error::Invalid("directory into its own subtree"));
+        }
+        if npi.nlink.get() == 0 {
+            return Err(Error::NotFound);
+        }
+        self.need_room()
+            .or_else(|e| if dst.is_some() { Ok(()) } else { Err(e) })?;
+        let now = Timespec::now();
+        if flags.exchange {
+            let d = dst.unwrap();
+            self.remove_entry(p, n)?;
+            self.remove_entry(np, nn)?;
+            self.add_entry(p, n, d.ino, d.dtype)?;
+            self.add_entry(np, nn, src.ino, src.dtype)?;
+            if p != np && src_dir != dst_dir {
+                let (from, to) = if src_dir { (p, np) } else { (np, p) };
+                self.update_inode(from, |i| i.nlink = (i.nlink.get() - 1).into())?;
+                self.update_inode(to, |i| i.nlink = (i.nlink.get() + 1).into())?;
+            }
+            self.update_inode(src.ino, |i| i.ctime = now)?;
+            self.update_inode(d.ino, |i| i.ctime = now)?;
+            return Ok(());
+        }
+        if let Some(d) = &dst {
+            if src_dir && !dst_dir {
+                return Err(Error::NotDir);
+            }
+            if !src_dir && dst_dir {
+                return Err(Error::IsDir);
+            }
+            if dst_dir && !self.dir_is_empty(d.ino)? {
+                return Err(Error::NotEmpty);
+            }
+            self.remove_entry(np, nn)?;
+            if dst_dir {
+                self.update_inode(np, |i| i.nlink = (i.nlink.get() - 1).into())?;
+            }
+            self.drop_link(d.ino)?;
+        }
+        self.remove_entry(p, n)?;
+        self.add_entry(np, nn, src.ino, src.dtype)?;
+        if src_dir && p != np {
+            self.update_inode(p, |i| i.nlink = (i.nlink.get() - 1).into())?;
+            self.update_inode(np, |i| i.nlink = (i.nlink.get() + 1).into())?;
+        }
+        self.update_inode(src.ino, |i| i.ctime = now)?;
+        Ok(())
+    }
+
+    pub(crate) fn readdir(
+        &mut self,
+        ino: u64,
+        offset: u64,
+        max: usize,
+    ) -> Result<Vec<DirEntryOut>> {
+        self.dir_inode(ino)?;
+        let mut out = Vec::new();
+        if offset == 0 && out.len() < max {
+            out.push(DirEntryOut {
+                ino,
+                kind: FileKind::Dir,
+                name: b".".to_vec(),
+                next_offset: 1,
+            });
+        }
+        if offset <= 1 && out.len() < max {
+            let parent = self.parent_of(ino)?;
+            out.push(DirEntryOut {
+                ino: parent,
+                kind: FileKind::Dir,
+                name: b"..".to_vec(),
+                next_offset: 2,
+            });
+        }
+        let want = max - out.len();
+        if want == 0 {
+            return Ok(out);
+        }
+        let items = self.store.range(
+            tree::FS,
+            &dir_index_key(ino, offset.max(3)),
+            &Key::new(ino, kind::DIR_INDEX + 1, 0),
+            want,
+        )?;
+        for (k, v) in items {
+            let mut l = decode_dir_entries(&v)
+                .filter(|l| l.len() == 1)
+                .ok_or_else(|| Error::corrupt("dir index", ino, "malformed"))?;
+            let e = l.pop().unwrap();
+            let kind = FileKind::from_dtype(e.dtype)
+                .ok_or_else(|| Error::corrupt("dir index", ino, "bad type"))?;
+            out.push(DirEntryOut {
+                ino: e.ino,
+                kind,
+                name: e.name,
+                next_offset: k.offset + 1,
+            });
+        }
+        Ok(out)
+    }
+}

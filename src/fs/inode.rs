@@ -1,0 +1,361 @@
+//! Inodes: attributes, creation, freeing, orphans and permission checks.
+
+use std::time::SystemTime;
+
+use zerocopy::{FromBytes, IntoBytes};
+
+use super::Inner;
+use crate::error::{Error, Result};
+use crate::format::{kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, MAX_FILE_SIZE};
+
+/// The type of an inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+    /// Named pipe.
+    Fifo,
+    /// Character device.
+    CharDev,
+    /// Block device.
+    BlockDev,
+    /// Unix socket.
+    Socket,
+}
+
+impl FileKind {
+    /// From the type bits of a mode.
+    pub fn from_mode(mode: u32) -> Option<FileKind> {
+        Some(match mode & libc::S_IFMT {
+            libc::S_IFREG => FileKind::File,
+            libc::S_IFDIR => FileKind::Dir,
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFIFO => FileKind::Fifo,
+            libc::S_IFCHR => FileKind::CharDev,
+            libc::S_IFBLK => FileKind::BlockDev,
+            libc::S_IFSOCK => FileKind::Socket,
+            _ => return None,
+        })
+    }
+
+    /// The DT_* value stored in directory entries.
+    pub fn dtype(self) -> u8 {
+        match self {
+            FileKind::File => libc::DT_REG,
+            FileKind::Dir => libc::DT_DIR,
+            FileKind::Symlink => libc::DT_LNK,
+            FileKind::Fifo => libc::DT_FIFO,
+            FileKind::CharDev => libc::DT_CHR,
+            FileKind::BlockDev => libc::DT_BLK,
+            FileKind::Socket => libc::DT_SOCK,
+        }
+    }
+
+    /// From a DT_* value.
+    pub fn from_dtype(d: u8) -> Option<FileKind> {
+        Some(match d {
+            libc::DT_REG => FileKind::File,
+            libc::DT_DIR => FileKind::Dir,
+            libc::DT_LNK => FileKind::Symlink,
+            libc::DT_FIFO => FileKind::Fifo,
+            libc::DT_CHR => FileKind::CharDev,
+            libc::DT_BLK => FileKind::BlockDev,
+            libc::DT_SOCK => FileKind::Socket,
+            _ => return None,
+        })
+    }
+}
+
+/// Attributes of an inode, as stat reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    /// Inode number.
+    pub ino: u64,
+    /// Generation the inode was created in (with `ino`, unique for the life of the fs).
+    pub generation: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// 512-byte blocks allocated.
+    pub blocks: u64,
+    /// Last access.
+    pub atime: SystemTime,
+    /// Last data change.
+    pub mtime: SystemTime,
+    /// Last attribute change.
+    pub ctime: SystemTime,
+    /// Creation.
+    pub crtime: SystemTime,
+    /// File type.
+    pub kind: FileKind,
+    /// Permission bits including setuid, setgid and sticky.
+    pub perm: u16,
+    /// Hard links.
+    pub nlink: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Device number (device nodes).
+    pub rdev: u64,
+}
+
+/// A time to set: now, or a given time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeSet {
+    /// The current time.
+    Now,
+    /// This time.
+    At(SystemTime),
+}
+
+/// Attribute changes; `None` leaves a field as it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SetAttr {
+    /// New permission bits (type bits are ignored).
+    pub mode: Option<u32>,
+    /// New owner.
+    pub uid: Option<u32>,
+    /// New group.
+    pub gid: Option<u32>,
+    /// New size (truncate or extend).
+    pub size: Option<u64>,
+    /// New access time.
+    pub atime: Option<TimeSet>,
+    /// New modification time.
+    pub mtime: Option<TimeSet>,
+    /// New change time (otherwise ctime becomes now on any change).
+    pub ctime: Option<SystemTime>,
+}
+
+pub(crate) fn inode_key(ino: u64) -> Key {
+    Key::new(ino, kind::INODE_ITEM, 0)
+}
+
+fn attr_of(ino: u64, i: &InodeItem) -> Result<Attr> {
+    let mode = i.mode.get();
+    let kind = FileKind::from_mode(mode)
+        .ok_or_else(|| Error::corrupt("inode", ino, format!("bad mode {mode:o}")))?;
+    Ok(Attr {
+        ino,
+        generation: i.generation.get(),
+        size: i.size.get(),
+        blocks: i.nbytes.get() / 512,
+        atime: i.atime.to_system(),
+        mtime: i.mtime.to_system(),
+        ctime: i.ctime.to_system(),
+        crtime: i.crtime.to_system(),
+        kind,
+        perm: (mode & 0o7777) as u16,
+        nlink: i.nlink.get(),
+        uid: i.uid.get(),
+        gid: i.gid.get(),
+        rdev: i.rdev.get(),
+    })
+}
+
+/// POSIX permission check for `mask` (R_OK=4, W_OK=2, X_OK=1).
+pub(crate) fn check_access(a: &Attr, mask: i32, uid: u32, gid: u32, groups: &[u32]) -> Result<()> {
+    let mask = (mask & 7) as u16;
+    if mask == 0 {
+        return Ok(());
+    }
+    if uid == 0 {
+        // root: everything but execute needs no bit; execute needs one x bit or a dir.
+        if mask & 1 == 0 || a.kind == FileKind::Dir || a.perm & 0o111 != 0 {
+            return Ok(());
+        }
+        return Err(Error::Access);
+    }
+    let bits = if a.uid == uid {
+        (a.perm >> 6) & 7
+    } else if a.gid == gid || groups.contains(&a.gid) {
+        (a.perm >> 3) & 7
+    } else {
+        a.perm & 7
+    };
+    if bits & mask == mask {
+        Ok(())
+    } else {
+        Err(Error::Access)
+    }
+}
+
+impl Inner {
+    pub(crate) fn get_inode_opt(&mut self, ino: u64) -> Result<Option<InodeItem>> {
+        match self.store.search(tree::FS, &inode_key(ino))? {
+            None => Ok(None),
+            Some(v) => InodeItem::read_from_bytes(&v)
+                .map(Some)
+                .map_err(|_| Error::corrupt("inode", ino, "bad inode item size")),
+        }
+    }
+
+    pub(crate) fn get_inode(&mut self, ino: u64) -> Result<InodeItem> {
+        self.get_inode_opt(ino)?.ok_or(Error::NotFound)
+    }
+
+    pub(crate) fn put_inode(&mut self, ino: u64, item: &mut InodeItem) -> Result<()> {
+        item.transid = self.store.generation.into();
+        self.store
+            .insert(tree::FS, inode_key(ino), item.as_bytes().to_vec())
+    }
+
+    pub(crate) fn getattr(&mut self, ino: u64) -> Result<Attr> {
+        let i = self.get_inode(ino)?;
+        attr_of(ino, &i)
+    }
+
+    pub(crate) fn attr_of(&self, ino: u64, i: &InodeItem) -> Result<Attr> {
+        attr_of(ino, i)
+    }
+
+    /// Refuses operations that add data or names when only the reserve is left.
+    pub(crate) fn need_room(&self) -> Result<()> {
+        if self.store.alloc.has_room(0) {
+            Ok(())
+        } else {
+            Err(Error::NoSpace)
+        }
+    }
+
+    pub(crate) fn new_inode(
+        &mut self,
+        mode: u32,
+        rdev: u64,
+        uid: u32,
+        gid: u32,
+    ) -> Result<(u64, InodeItem)> {
+        if self.next_ino >= objectid::LAST_INODE {
+            return Err(Error::NoSpace);
+        }
+        let ino = self.next_ino;
+        self.next_ino += 1;
+        let now = Timespec::now();
+        let dir = mode & libc::S_IFMT == libc::S_IFDIR;
+        let mut item = InodeItem {
+            generation: self.store.generation.into(),
+            nlink: (if dir { 2 } else { 1 }).into(),
+            uid: uid.into(),
+            gid: gid.into(),
+            mode: mode.into(),
+            rdev: rdev.into(),
+            next_index: 3.into(),
+            atime: now,
+            mtime: now,
+            ctime: now,
+            crtime: now,
+            ..Default::default()
+        };
+        self.put_inode(ino, &mut item)?;
+        Ok((ino, item))
+    }
+
+    pub(crate) fn make_root_dir(&mut self) -> Result<()> {
+        let now = Timespec::now();
+        let mut item = InodeItem {
+            generation: self.store.generation.into(),
+            nlink: 2.into(),
+            mode: (libc::S_IFDIR | 0o755).into(),
+            next_index: 3.into(),
+            atime: now,
+            mtime: now,
+            ctime: now,
+            crtime: now,
+            ..Default::default()
+        };
+        self.put_inode(objectid::ROOT_DIR, &mut item)
+    }
+
+    pub(crate) fn setattr(&mut self, ino: u64, set: &super::SetAttr) -> Result<Attr> {
+        let mut i = self.get_inode(ino)?;
+        let now = Timespec::now();
+        if let Some(size) = set.size {
+            let kind = attr_of(ino, &i)?.kind;
+            match kind {
+                FileKind::Dir => return Err(Error::IsDir),
+                FileKind::File => {}
+                _ => return Err(Error::Invalid("size of a special file")),
+            }
+            if size > MAX_FILE_SIZE {
+                return Err(Error::TooBig);
+            }
+            if size > i.size.get() {
+                self.need_room()?;
+            }
+            self.truncate(ino, &mut i, size)?;
+            i.mtime = now;
+        }
+        if let Some(m) = set.mode {
+            i.mode = ((i.mode.get() & libc::S_IFMT) | (m & 0o7777)).into();
+        }
+        if let Some(u) = set.uid {
+            i.uid = u.into();
+        }
+        if let Some(g) = set.gid {
+            i.gid = g.into();
+        }
+        let ts = |t: TimeSet| match t {
+            TimeSet::Now => now,
+            TimeSet::At(s) => Timespec::from_system(s),
+        };
+        if let Some(t) = set.atime {
+            i.atime = ts(t);
+        }
+        if let Some(t) = set.mtime {
+            i.mtime = ts(t);
+        }
+        i.ctime = set.ctime.map(Timespec::from_system).unwrap_or(now);
+        self.put_inode(ino, &mut i)?;
+        attr_of(ino, &i)
+    }
+
+    /// Deletes every item of `ino` and drops its extents' references.
+    pub(crate) fn free_inode(&mut self, ino: u64) -> Result<()> {
+        let start = Key::new(ino, 0, 0);
+        let end = Key::new(ino + 1, 0, 0);
+        loop {
+            let batch = self.store.range(tree::FS, &start, &end, 512)?;
+            if batch.is_empty() {
+                break;
+            }
+            for (k, v) in batch {
+                if k.ty == kind::EXTENT_DATA {
+                    let fe = FileExtent::read_from_bytes(&v)
+                        .map_err(|_| Error::corrupt("file extent", ino, "bad size"))?;
+                    self.store
+                        .data_ref(fe.disk_bytenr.get(), fe.disk_len.get(), -1);
+                }
+                self.store.delete(tree::FS, &k)?;
+            }
+        }
+        self.store.delete(
+            tree::FS,
+            &Key::new(objectid::ORPHAN, kind::ORPHAN_ITEM, ino),
+        )?;
+        Ok(())
+    }
+
+    /// Marks an unlinked but still open inode, so a crash frees it at the next mount.
+    pub(crate) fn add_orphan(&mut self, ino: u64) -> Result<()> {
+        self.store.insert(
+            tree::FS,
+            Key::new(objectid::ORPHAN, kind::ORPHAN_ITEM, ino),
+            Vec::new(),
+        )
+    }
+
+    /// Frees every orphan inode (at mount); returns how many.
+    pub(crate) fn free_orphans(&mut self) -> Result<usize> {
+        let start = Key::new(objectid::ORPHAN, kind::ORPHAN_ITEM, 0);
+        let end = Key::new(objectid::ORPHAN, kind::ORPHAN_ITEM + 1, 0);
+        let list = self.store.range(tree::FS, &start, &end, usize::MAX)?;
+        for (k, _) in &list {
+            self.free_inode(k.offset)?;
+        }
+        Ok(list.len())
+    }
+}

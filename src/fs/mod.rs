@@ -1,0 +1,474 @@
+//! The filesystem: namespace, inodes, files and extended attributes, over the trees.
+//!
+//! Lock order: `commit_lock` before `inner`. `inner` is never held across a commit's
+//! device I/O (see `txn`), so lookups, reads and writes go on while a commit flushes.
+//! File data I/O runs under `inner` in this version.
+
+mod dir;
+mod file;
+mod inode;
+mod xattr;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::dev::{BlockDev, FileDev};
+use crate::error::Result;
+use crate::format::{objectid, tree, Key};
+use crate::stats::{Stats, StatsSnapshot};
+use crate::txn::Store;
+
+pub use inode::{Attr, FileKind, SetAttr, TimeSet};
+
+/// Mount-time options of the engine.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Refuse every change.
+    pub readonly: bool,
+    /// Seconds between periodic commits (0: only on demand).
+    pub commit_interval: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            readonly: false,
+            commit_interval: Duration::from_secs(30),
+        }
+    }
+}
+
+/// mkfs parameters.
+#[derive(Debug, Clone, Default)]
+pub struct MkfsOptions {
+    /// B-tree node size; 16 KiB when `None`.
+    pub node_size: Option<u32>,
+}
+
+/// One entry returned by `readdir`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntryOut {
+    /// Inode number.
+    pub ino: u64,
+    /// File type.
+    pub kind: FileKind,
+    /// Name.
+    pub name: Vec<u8>,
+    /// Offset to pass to `readdir` to continue after this entry.
+    pub next_offset: u64,
+}
+
+/// Space and inode counts (statfs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatFs {
+    /// Block size (4096).
+    pub bsize: u32,
+    /// Total data blocks.
+    pub blocks: u64,
+    /// Free blocks.
+    pub bfree: u64,
+    /// Free blocks available to users (free less the metadata reserve).
+    pub bavail: u64,
+    /// Inode slots (a notional figure: inodes are allocated dynamically).
+    pub files: u64,
+    /// Free inode slots.
+    pub ffree: u64,
+    /// Longest name.
+    pub namelen: u32,
+}
+
+/// Who is creating a node: owner ids applied to new inodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Creds {
+    /// Owner uid.
+    pub uid: u32,
+    /// Owner gid.
+    pub gid: u32,
+}
+
+/// `rename` flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RenameFlags {
+    /// Fail with EEXIST if the target exists (RENAME_NOREPLACE).
+    pub noreplace: bool,
+    /// Swap source and target (RENAME_EXCHANGE).
+    pub exchange: bool,
+}
+
+/// `fallocate` modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FallocMode {
+    /// Do not change the file size (FALLOC_FL_KEEP_SIZE).
+    pub keep_size: bool,
+    /// Deallocate the range (FALLOC_FL_PUNCH_HOLE; needs keep_size).
+    pub punch_hole: bool,
+}
+
+/// The root directory's inode number.
+pub const ROOT_INO: u64 = objectid::ROOT_DIR;
+
+pub(crate) struct Inner {
+    pub(crate) store: Store,
+    next_ino: u64,
+    /// Inodes held by the user of the API (FUSE lookups plus open handles).
+    pins: HashMap<u64, u64>,
+}
+
+/// A mounted birchfs: the library's front door. All methods are thread-safe.
+pub struct Fs {
+    inner: Mutex<Inner>,
+    commit_lock: Mutex<()>,
+    dev: Arc<dyn BlockDev>,
+    stats: Arc<Stats>,
+    opts: Options,
+}
+
+/// Dirty tree nodes that trigger a commit at the end of an operation.
+const DIRTY_COMMIT_NODES: usize = 8192;
+
+impl Fs {
+    /// Writes a new, empty filesystem on `dev`.
+    pub fn mkfs(dev: Arc<dyn BlockDev>, opts: &MkfsOptions) -> Result<()> {
+        let store = Store::create(dev.clone(), opts.node_size)?;
+        let mut inner = Inner {
+            store,
+            next_ino: objectid::FIRST_FREE,
+            pins: HashMap::new(),
+        };
+        inner.make_root_dir()?;
+        let batch = inner.store.prepare_commit()?;
+        Store::write_commit(dev.as_ref(), &inner.store.stats, &batch)?;
+        Ok(())
+    }
+
+    /// Mounts the filesystem on `dev`: the last commit's state, then frees orphans.
+    pub fn open(dev: Arc<dyn BlockDev>, opts: Options) -> Result<Fs> {
+        let store = Store::open(dev.clone(), opts.readonly)?;
+        let stats = store.stats.clone();
+        let mut inner = Inner {
+            store,
+            next_ino: 0,
+            pins: HashMap::new(),
+        };
+        inner.next_ino = inner.find_next_ino()?;
+        let fs = Fs {
+            inner: Mutex::new(inner),
+            commit_lock: Mutex::new(()),
+            dev,
+            stats,
+            opts,
+        };
+        if !fs.opts.readonly {
+            let n = fs.inner.lock().free_orphans()?;
+            if n > 0 {
+                tracing::info!("freed {n} orphan inodes");
+                fs.commit()?;
+            }
+        }
+        Ok(fs)
+    }
+
+    /// Opens the image file or block device at `path` (locked while open) and mounts it.
+    pub fn open_path(path: &Path, opts: Options) -> Result<Fs> {
+        let dev = FileDev::open(path, !opts.readonly)?;
+        Fs::open(Arc::new(dev), opts)
+    }
+
+    /// The options this filesystem was mounted with.
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// Counters of fsyncs, commits and device traffic.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Inner) -> Result<T>) -> Result<T> {
+        let (r, big) = {
+            let mut g = self.inner.lock();
+            let r = f(&mut g);
+            (r, g.store.dirty_nodes() > DIRTY_COMMIT_NODES)
+        };
+        if big {
+            self.commit()?;
+        }
+        r
+    }
+
+    /// Makes everything done so far durable (a full commit).
+    pub fn commit(&self) -> Result<()> {
+        let _c = self.commit_lock.lock();
+        let batch = {
+            let mut g = self.inner.lock();
+            if !g.store.has_changes() {
+                return Ok(());
+            }
+            g.store.prepare_commit()?
+        };
+        if let Err(e) = Store::write_commit(self.dev.as_ref(), &self.stats, &batch) {
+            tracing::error!("commit failed, refusing further changes: {e}");
+            self.inner.lock().store.failed = true;
+            return Err(e);
+        }
+        self.inner.lock().store.finish_commit(batch);
+        Ok(())
+    }
+
+    /// fsync/fdatasync of `ino`: its data, attributes and names survive a crash.
+    pub fn fsync(&self, _ino: u64, _datasync: bool) -> Result<()> {
+        Stats::add(&self.stats.fsyncs, 1);
+        if self.opts.readonly {
+            return Ok(());
+        }
+        let dirty = self.inner.lock().store.has_changes();
+        if !dirty {
+            // A commit that holds commit_lock may still be writing our changes.
+            let _c = self.commit_lock.lock();
+            Stats::add(&self.stats.fsyncs_noop, 1);
+            return Ok(());
+        }
+        self.commit()
+    }
+
+    /// Commits and releases the device; the same as dropping `Fs` but reports errors.
+    pub fn unmount(self) -> Result<()> {
+        if !self.opts.readonly {
+            self.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Looks `name` up in directory `parent`; pins the inode once (see [`Fs::forget`]).
+    pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
+        self.with(|i| {
+            let a = i.lookup(parent, name)?;
+            i.pin(a.ino, 1);
+            Ok(a)
+        })
+    }
+
+    /// Looks up without pinning (library use).
+    pub fn lookup_nopin(&self, parent: u64, name: &[u8]) -> Result<Attr> {
+        self.with(|i| i.lookup(parent, name))
+    }
+
+    /// Resolves an absolute path inside the filesystem (`/a/b`), following no symlinks.
+    pub fn resolve(&self, path: &str) -> Result<Attr> {
+        self.with(|i| {
+            let mut a = i.getattr(ROOT_INO)?;
+            for c in path.split('/').filter(|c| !c.is_empty()) {
+                a = i.lookup(a.ino, c.as_bytes())?;
+            }
+            Ok(a)
+        })
+    }
+
+    /// Drops `n` pins of `ino` (FUSE forget); frees it if unlinked and unpinned.
+    pub fn forget(&self, ino: u64, n: u64) {
+        if let Err(e) = self.with(|i| i.unpin(ino, n)) {
+            tracing::warn!("forget of {ino}: {e}");
+        }
+    }
+
+    /// Pins `ino` for an open handle; `release` drops it.
+    pub fn open_ino(&self, ino: u64) -> Result<Attr> {
+        self.with(|i| {
+            let a = i.getattr(ino)?;
+            i.pin(ino, 1);
+            Ok(a)
+        })
+    }
+
+    /// Releases an open handle of `ino`.
+    pub fn release(&self, ino: u64) -> Result<()> {
+        self.with(|i| i.unpin(ino, 1))
+    }
+
+    /// Attributes of `ino`.
+    pub fn getattr(&self, ino: u64) -> Result<Attr> {
+        self.with(|i| i.getattr(ino))
+    }
+
+    /// Changes attributes; size changes truncate or extend the file.
+    pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
+        self.with(|i| i.setattr(ino, set))
+    }
+
+    /// Creates a node (file, fifo, device, socket) named `name` in `parent`.
+    pub fn mknod(&self, parent: u64, name: &[u8], mode: u32, rdev: u64, cr: Creds) -> Result<Attr> {
+        self.with(|i| i.create_node(parent, name, mode, rdev, cr, None))
+    }
+
+    /// Creates a directory.
+    pub fn mkdir(&self, parent: u64, name: &[u8], mode: u32, cr: Creds) -> Result<Attr> {
+        self.with(|i| i.create_node(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, cr, None))
+    }
+
+    /// Creates a symlink to `target`.
+    pub fn symlink(&self, parent: u64, name: &[u8], target: &[u8], cr: Creds) -> Result<Attr> {
+        self.with(|i| i.create_node(parent, name, libc::S_IFLNK | 0o777, 0, cr, Some(target)))
+    }
+
+    /// The target of a symlink.
+    pub fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
+        self.with(|i| i.readlink(ino))
+    }
+
+    /// Adds a name for `ino` in `parent`.
+    pub fn link(&self, ino: u64, parent: u64, name: &[u8]) -> Result<Attr> {
+        self.with(|i| i.link(ino, parent, name))
+    }
+
+    /// Removes a non-directory name.
+    pub fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+        self.with(|i| i.unlink(parent, name, false))
+    }
+
+    /// Removes an empty directory.
+    pub fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
+        self.with(|i| i.unlink(parent, name, true))
+    }
+
+    /// Renames, with RENAME_NOREPLACE and RENAME_EXCHANGE semantics.
+    pub fn rename(
+        &self,
+        parent: u64,
+        name: &[u8],
+        newparent: u64,
+        newname: &[u8],
+        flags: RenameFlags,
+    ) -> Result<()> {
+        self.with(|i| i.rename(parent, name, newparent, newname, flags))
+    }
+
+    /// Directory entries after `offset` (0 to start), at most `max` of them.
+    pub fn readdir(&self, ino: u64, offset: u64, max: usize) -> Result<Vec<DirEntryOut>> {
+        self.with(|i| i.readdir(ino, offset, max))
+    }
+
+    /// Reads up to `size` bytes at `offset`.
+    pub fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>> {
+        self.with(|i| i.read(ino, offset, size as u64))
+    }
+
+    /// Writes `data` at `offset`; returns the bytes written.
+    pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        let n = self.with(|i| i.write(ino, offset, data))?;
+        Stats::add(&self.stats.user_bytes, n as u64);
+        Ok(n)
+    }
+
+    /// Allocates, or with `punch_hole` deallocates, a range.
+    pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: FallocMode) -> Result<()> {
+        self.with(|i| i.fallocate(ino, offset, len, mode))
+    }
+
+    /// Space and inode counts.
+    pub fn statfs(&self) -> StatFs {
+        let g = self.inner.lock();
+        let a = &g.store.alloc;
+        let free = a.free_bytes() + a.pinned_bytes();
+        StatFs {
+            bsize: 4096,
+            blocks: g.store.data_bytes() / 4096,
+            bfree: free / 4096,
+            bavail: free.saturating_sub(a.reserve()) / 4096,
+            files: objectid::LAST_INODE - objectid::ROOT_DIR,
+            ffree: objectid::LAST_INODE - g.next_ino,
+            namelen: crate::format::NAME_MAX as u32,
+        }
+    }
+
+    /// Sets an extended attribute; `create`/`replace` as XATTR_CREATE/XATTR_REPLACE.
+    pub fn setxattr(
+        &self,
+        ino: u64,
+        name: &[u8],
+        value: &[u8],
+        create: bool,
+        replace: bool,
+    ) -> Result<()> {
+        self.with(|i| i.setxattr(ino, name, value, create, replace))
+    }
+
+    /// The value of an extended attribute.
+    pub fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
+        self.with(|i| i.getxattr(ino, name))
+    }
+
+    /// Names of the extended attributes of `ino`.
+    pub fn listxattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
+        self.with(|i| i.listxattr(ino))
+    }
+
+    /// Removes an extended attribute.
+    pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
+        self.with(|i| i.removexattr(ino, name))
+    }
+
+    /// Checks `mask` (R_OK|W_OK|X_OK, or F_OK) for a caller with `uid`/`gid`/`groups`.
+    pub fn access(&self, ino: u64, mask: i32, uid: u32, gid: u32, groups: &[u32]) -> Result<()> {
+        let a = self.getattr(ino)?;
+        inode::check_access(&a, mask, uid, gid, groups)
+    }
+}
+
+impl Drop for Fs {
+    fn drop(&mut self) {
+        if !self.opts.readonly {
+            if let Err(e) = self.commit() {
+                tracing::error!("final commit failed: {e}");
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn pin(&mut self, ino: u64, n: u64) {
+        *self.pins.entry(ino).or_default() += n;
+    }
+
+    fn unpin(&mut self, ino: u64, n: u64) -> Result<()> {
+        let left = match self.pins.get_mut(&ino) {
+            Some(c) => {
+                *c = c.saturating_sub(n);
+                *c
+            }
+            None => return Ok(()),
+        };
+        if left == 0 {
+            self.pins.remove(&ino);
+            if self.store.readonly {
+                return Ok(());
+            }
+            if let Some(item) = self.get_inode_opt(ino)? {
+                if item.nlink.get() == 0 {
+                    self.free_inode(ino)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn pinned(&self, ino: u64) -> bool {
+        self.pins.contains_key(&ino)
+    }
+
+    fn find_next_ino(&mut self) -> Result<u64> {
+        let last = self
+            .store
+            .seek_le(tree::FS, &Key::new(objectid::LAST_INODE, 0, 0))?;
+        Ok(last
+            .map(|(k, _)| k.objectid + 1)
+            .unwrap_or(objectid::FIRST_FREE)
+            .max(objectid::FIRST_FREE))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,382 @@
+//! Engine tests on an in-memory device.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::dev::MemDev;
+use crate::error::Error;
+
+const MB: u64 = 1 << 20;
+
+fn mk(size: u64) -> (Arc<MemDev>, Fs) {
+    let dev = Arc::new(MemDev::new(size));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    (dev, fs)
+}
+
+fn remount(dev: &Arc<MemDev>, fs: Fs) -> Fs {
+    fs.unmount().unwrap();
+    let dev2 = Arc::new(MemDev::from_image(dev.image()));
+    Fs::open(dev2, Options::default()).unwrap()
+}
+
+fn cr() -> Creds {
+    Creds {
+        uid: 1000,
+        gid: 100,
+    }
+}
+
+#[test]
+fn create_write_read_persist() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap();
+    assert_eq!(f.uid, 1000);
+    assert_eq!(f.kind, FileKind::File);
+    fs.write(f.ino, 0, b"hello world").unwrap();
+    fs.write(f.ino, 6, b"WORLD").unwrap();
+    assert_eq!(fs.read(f.ino, 0, 100).unwrap(), b"hello WORLD");
+    let big: Vec<u8> = (0..3 * MB as usize + 123)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    let g = fs.mknod(ROOT_INO, b"big", 0o644, 0, cr()).unwrap();
+    fs.write(g.ino, 5000, &big).unwrap();
+    let fs = remount(&dev, fs);
+    let a = fs.lookup(ROOT_INO, b"a").unwrap();
+    assert_eq!(fs.read(a.ino, 0, 100).unwrap(), b"hello WORLD");
+    let b = fs.lookup(ROOT_INO, b"big").unwrap();
+    assert_eq!(b.size, 5000 + big.len() as u64);
+    let back = fs.read(b.ino, 0, b.size as u32).unwrap();
+    assert!(back[..5000].iter().all(|&x| x == 0));
+    assert_eq!(&back[5000..], &big[..]);
+}
+
+#[test]
+fn directories_links_and_errors() {
+    let (dev, fs) = mk(64 * MB);
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
+    assert_eq!(d.nlink, 2);
+    assert_eq!(fs.getattr(ROOT_INO).unwrap().nlink, 3);
+    let f = fs.mknod(d.ino, b"f", 0o600, 0, cr()).unwrap();
+    assert!(matches!(
+        fs.mknod(d.ino, b"f", 0o600, 0, cr()),
+        Err(Error::Exists)
+    ));
+    assert!(matches!(
+        fs.mknod(f.ino, b"x", 0o600, 0, cr()),
+        Err(Error::NotDir)
+    ));
+    assert!(matches!(
+        fs.mknod(d.ino, &[b'x'; 256], 0o600, 0, cr()),
+        Err(Error::NameTooLong)
+    ));
+    fs.mknod(d.ino, &[b'x'; 255], 0o600, 0, cr()).unwrap();
+    assert!(matches!(fs.rmdir(ROOT_INO, b"d"), Err(Error::NotEmpty)));
+    assert!(matches!(fs.unlink(ROOT_INO, b"d"), Err(Error::IsDir)));
+    assert!(matches!(fs.link(d.ino, ROOT_INO, b"dl"), Err(Error::Perm)));
+    let l = fs.link(f.ino, ROOT_INO, b"fl").unwrap();
+    assert_eq!(l.nlink, 2);
+    fs.unlink(d.ino, b"f").unwrap();
+    assert_eq!(fs.getattr(f.ino).unwrap().nlink, 1);
+    let s = fs.symlink(ROOT_INO, b"s", b"/some/where", cr()).unwrap();
+    assert_eq!(fs.readlink(s.ino).unwrap(), b"/some/where");
+    let fs = remount(&dev, fs);
+    let names: Vec<Vec<u8>> = fs
+        .readdir(ROOT_INO, 0, 100)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            b".".to_vec(),
+            b"..".to_vec(),
+            b"d".to_vec(),
+            b"fl".to_vec(),
+            b"s".to_vec()
+        ]
+    );
+    fs.unlink(d.ino, &[b'x'; 255]).unwrap();
+    fs.rmdir(ROOT_INO, b"d").unwrap();
+    assert_eq!(fs.getattr(ROOT_INO).unwrap().nlink, 2);
+    assert!(matches!(fs.getattr(d.ino), Err(Error::NotFound)));
+}
+
+#[test]
+fn rename_rules() {
+    let (_dev, fs) = mk(64 * MB);
+    let a = fs.mkdir(ROOT_INO, b"a", 0o755, cr()).unwrap();
+    let b = fs.mkdir(a.ino, b"b", 0o755, cr()).unwrap();
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    let g = fs.mknod(ROOT_INO, b"g", 0o644, 0, cr()).unwrap();
+    let nf = RenameFlags::default();
+    assert!(matches!(
+        fs.rename(ROOT_INO, b"a", b.ino, b"x", nf),
+        Err(Error::Invalid(_))
+    ));
+    assert!(matches!(
+        fs.rename(ROOT_INO, b"f", ROOT_INO, b"a", nf),
+        Err(Error::IsDir)
+    ));
+    assert!(matches!(
+        fs.rename(ROOT_INO, b"a", ROOT_INO, b"f", nf),
+        Err(Error::NotDir)
+    ));
+    let noreplace = RenameFlags {
+        noreplace: true,
+        ..nf
+    };
+    assert!(matches!(
+        fs.rename(ROOT_INO, b"f", ROOT_INO, b"g", noreplace),
+        Err(Error::Exists)
+    ));
+    fs.rename(ROOT_INO, b"f", ROOT_INO, b"g", nf).unwrap();
+    assert_eq!(fs.lookup_nopin(ROOT_INO, b"g").unwrap().ino, f.ino);
+    assert!(matches!(fs.getattr(g.ino), Err(Error::NotFound)));
+    // move b from a to root: link counts follow
+    fs.rename(a.ino, b"b", ROOT_INO, b"b", nf).unwrap();
+    assert_eq!(fs.getattr(a.ino).unwrap().nlink, 2);
+    assert_eq!(fs.getattr(ROOT_INO).unwrap().nlink, 4);
+    assert_eq!(fs.lookup_nopin(b.ino, b"..").unwrap().ino, ROOT_INO);
+    // exchange a file and a dir across directories
+    let x = RenameFlags {
+        exchange: true,
+        ..nf
+    };
+    fs.rename(ROOT_INO, b"g", a.ino, b"missing", x).unwrap_err();
+    let h = fs.mknod(a.ino, b"h", 0o644, 0, cr()).unwrap();
+    fs.rename(ROOT_INO, b"b", a.ino, b"h", x).unwrap();
+    assert_eq!(fs.lookup_nopin(a.ino, b"h").unwrap().ino, b.ino);
+    assert_eq!(fs.lookup_nopin(ROOT_INO, b"b").unwrap().ino, h.ino);
+    assert_eq!(fs.getattr(a.ino).unwrap().nlink, 3);
+    assert_eq!(fs.getattr(ROOT_INO).unwrap().nlink, 3);
+    assert_eq!(fs.lookup_nopin(b.ino, b"..").unwrap().ino, a.ino);
+}
+
+#[test]
+fn truncate_punch_fallocate() {
+    let (_dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, &vec![0xaa; 20000]).unwrap();
+    fs.setattr(
+        f.ino,
+        &SetAttr {
+            size: Some(5000),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.setattr(
+        f.ino,
+        &SetAttr {
+            size: Some(20000),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let d = fs.read(f.ino, 0, 20000).unwrap();
+    assert!(d[..5000].iter().all(|&b| b == 0xaa));
+    assert!(
+        d[5000..].iter().all(|&b| b == 0),
+        "extended tail reads zeros"
+    );
+    fs.write(f.ino, 0, &vec![0xbb; 20000]).unwrap();
+    fs.fallocate(
+        f.ino,
+        100,
+        10000,
+        FallocMode {
+            keep_size: true,
+            punch_hole: true,
+        },
+    )
+    .unwrap();
+    let d = fs.read(f.ino, 0, 20000).unwrap();
+    assert!(d[..100].iter().all(|&b| b == 0xbb));
+    assert!(d[100..10100].iter().all(|&b| b == 0));
+    assert!(d[10100..].iter().all(|&b| b == 0xbb));
+    assert_eq!(fs.getattr(f.ino).unwrap().size, 20000);
+    fs.fallocate(f.ino, 0, 100_000, FallocMode::default())
+        .unwrap();
+    let a = fs.getattr(f.ino).unwrap();
+    assert_eq!(a.size, 100_000);
+    assert!(a.blocks * 512 >= 100_000);
+    fs.fallocate(
+        f.ino,
+        0,
+        200_000,
+        FallocMode {
+            keep_size: true,
+            punch_hole: false,
+        },
+    )
+    .unwrap();
+    assert_eq!(fs.getattr(f.ino).unwrap().size, 100_000);
+    let d = fs.read(f.ino, 0, 100_000).unwrap();
+    assert!(d[..100].iter().all(|&b| b == 0xbb));
+    assert!(d[20000..].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn sparse_terabyte_file() {
+    let (_dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, (1 << 40) - 1, b"z").unwrap();
+    let a = fs.getattr(f.ino).unwrap();
+    assert_eq!(a.size, 1 << 40);
+    assert_eq!(a.blocks, 8);
+    assert_eq!(fs.read(f.ino, 1 << 39, 10).unwrap(), vec![0; 10]);
+    assert_eq!(fs.read(f.ino, (1 << 40) - 1, 10).unwrap(), b"z");
+}
+
+#[test]
+fn overwrites_free_space_and_unlink_returns_it() {
+    let (dev, fs) = mk(64 * MB);
+    let before = fs.statfs().bfree;
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    for _ in 0..10 {
+        fs.write(f.ino, 0, &vec![1; 4 * MB as usize]).unwrap();
+        fs.commit().unwrap();
+    }
+    let mid = fs.statfs().bfree;
+    assert!(
+        before - mid < (6 * MB) / 4096,
+        "CoW overwrites must free the old blocks"
+    );
+    fs.unlink(ROOT_INO, b"f").unwrap();
+    let fs = remount(&dev, fs);
+    let after = fs.statfs().bfree;
+    assert!(
+        before.abs_diff(after) < 64,
+        "space back after unlink: {before} vs {after}"
+    );
+}
+
+#[test]
+fn unlinked_open_file_is_an_orphan_until_released() {
+    let (dev, fs) = mk(64 * MB);
+    let before = fs.statfs().bfree;
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.open_ino(f.ino).unwrap();
+    fs.write(f.ino, 0, &vec![7; 8 * MB as usize]).unwrap();
+    fs.unlink(ROOT_INO, b"f").unwrap();
+    assert_eq!(fs.getattr(f.ino).unwrap().nlink, 0);
+    assert_eq!(fs.read(f.ino, 0, 4).unwrap(), vec![7; 4]);
+    // A crash now (image as of a commit) must free the orphan at mount.
+    fs.commit().unwrap();
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    let fs2 = Fs::open(crashed, Options::default()).unwrap();
+    assert!(matches!(fs2.getattr(f.ino), Err(Error::NotFound)));
+    assert!(before.abs_diff(fs2.statfs().bfree) < 64);
+    drop(fs2);
+    fs.release(f.ino).unwrap();
+    assert!(matches!(fs.getattr(f.ino), Err(Error::NotFound)));
+}
+
+#[test]
+fn xattrs() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.setxattr(f.ino, b"user.a", b"1", false, false).unwrap();
+    assert!(matches!(
+        fs.setxattr(f.ino, b"user.a", b"2", true, false),
+        Err(Error::Exists)
+    ));
+    assert!(matches!(
+        fs.setxattr(f.ino, b"user.b", b"2", false, true),
+        Err(Error::NoData)
+    ));
+    fs.setxattr(f.ino, b"user.b", &[9; 3000], false, false)
+        .unwrap();
+    let fs = remount(&dev, fs);
+    assert_eq!(fs.getxattr(f.ino, b"user.a").unwrap(), b"1");
+    let mut l = fs.listxattr(f.ino).unwrap();
+    l.sort();
+    assert_eq!(l, vec![b"user.a".to_vec(), b"user.b".to_vec()]);
+    fs.removexattr(f.ino, b"user.a").unwrap();
+    assert!(matches!(fs.getxattr(f.ino, b"user.a"), Err(Error::NoData)));
+}
+
+#[test]
+fn big_directory_and_stable_readdir_offsets() {
+    let (dev, fs) = mk(256 * MB);
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
+    for i in 0..5000 {
+        fs.mknod(d.ino, format!("file-{i}").as_bytes(), 0o644, 0, cr())
+            .unwrap();
+    }
+    let fs = remount(&dev, fs);
+    let first = fs.readdir(d.ino, 0, 100).unwrap();
+    let off = first.last().unwrap().next_offset;
+    for i in (0..5000).step_by(2) {
+        fs.unlink(d.ino, format!("file-{i}").as_bytes()).unwrap();
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut off = off;
+    loop {
+        let b = fs.readdir(d.ino, off, 333).unwrap();
+        if b.is_empty() {
+            break;
+        }
+        for e in &b {
+            assert!(seen.insert(e.name.clone()), "entry returned twice");
+        }
+        off = b.last().unwrap().next_offset;
+    }
+    for i in (1..5000).step_by(2) {
+        let n = format!("file-{i}").into_bytes();
+        let early = first.iter().any(|e| e.name == n);
+        assert!(early || seen.contains(&n), "surviving entry {i} missed");
+    }
+}
+
+#[test]
+fn full_disk_gives_enospc_and_unlink_still_works() {
+    let (dev, fs) = mk(40 * MB);
+    let f = fs.mknod(ROOT_INO, b"keep", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, b"precious").unwrap();
+    let g = fs.mknod(ROOT_INO, b"fill", 0o644, 0, cr()).unwrap();
+    let chunk = vec![3u8; 4096];
+    let mut off = 0;
+    let err = loop {
+        match fs.write(g.ino, off, &chunk) {
+            Ok(n) => off += n as u64,
+            Err(e) => break e,
+        }
+        assert!(off < 100 * MB);
+    };
+    assert!(matches!(err, Error::NoSpace));
+    assert!(off > 20 * MB, "most of the disk was usable: {off}");
+    fs.commit().unwrap();
+    assert!(matches!(
+        fs.write(f.ino, 1 << 30, &chunk),
+        Err(Error::NoSpace)
+    ));
+    fs.unlink(ROOT_INO, b"fill").unwrap();
+    fs.commit().unwrap();
+    let n = fs.mknod(ROOT_INO, b"new", 0o644, 0, cr()).unwrap();
+    fs.write(n.ino, 0, &vec![1; 8 * MB as usize]).unwrap();
+    let fs = remount(&dev, fs);
+    let k = fs.lookup_nopin(ROOT_INO, b"keep").unwrap();
+    assert_eq!(fs.read(k.ino, 0, 100).unwrap(), b"precious");
+}
+
+#[test]
+fn readonly_refuses_changes() {
+    let (dev, fs) = mk(64 * MB);
+    fs.unmount().unwrap();
+    let fs = Fs::open(
+        dev.clone(),
+        Options {
+            readonly: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        fs.mknod(ROOT_INO, b"x", 0o644, 0, cr()),
+        Err(Error::ReadOnly)
+    ));
+}

@@ -1,0 +1,32 @@
+//! birchfs: a copy-on-write, checksummed filesystem in user space, mounted through
+//! FUSE or embedded as a library over an image file or a block device.
+//!
+//! ```no_run
+//! use birchfs::{Fs, Options, Creds, ROOT_INO};
+//! let fs = Fs::open_path("disk.img".as_ref(), Options::default()).unwrap();
+//! let f = fs.mknod(ROOT_INO, b"hello", 0o644, 0, Creds::default()).unwrap();
+//! fs.write(f.ino, 0, b"hi").unwrap();
+//! fs.fsync(f.ino, false).unwrap();
+//! ```
+
+#![warn(missing_docs)]
+
+mod alloc;
+mod btree;
+pub mod check;
+pub mod dev;
+pub mod dump;
+mod error;
+pub mod format;
+mod fs;
+pub mod fuse;
+mod refs;
+mod stats;
+mod txn;
+
+pub use error::{Error, Result};
+pub use fs::{
+    Attr, Creds, DirEntryOut, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr,
+    StatFs, TimeSet, ROOT_INO,
+};
+pub use stats::{Stats, StatsSnapshot};

@@ -1,0 +1,591 @@
+//! Transactions and commit: the node cache, copy-on-write, delayed-ref processing and
+//! the superblock write.
+//!
+//! ```text
+//!   running(N) --commit--> prepare: run delayed refs and root items to a fixed point,
+//!                          encode dirty nodes, N+1 starts running   [under the fs lock]
+//!              --------->  write nodes, flush, write superblocks, flush [no lock held]
+//!              --------->  unpin extents freed in N                 [under the fs lock]
+//! ```
+//! Only one commit is in its I/O phase at a time (the caller's commit mutex). Nodes of
+//! generation N are never changed after prepare: generation N+1 copies them first, so
+//! readers and writers of N+1 run while N's nodes are written.
+//!
+//! The extent tree changes itself: copying one of its nodes allocates (a new delayed
+//! ref) and frees (another). `prepare` runs delayed refs until none is queued; that
+//! terminates because a node copied in this generation is edited in place after that.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use zerocopy::{FromBytes, IntoBytes};
+
+use crate::alloc::Allocator;
+use crate::btree::{self, Node, NodeStore, Root};
+use crate::dev::BlockDev;
+use crate::error::{Error, Result};
+use crate::format::{
+    decode_node, encode_node, kind, objectid, tree, ExtentItem, Key, NodeBody, NodeHeader,
+    RootItem, Superblock, DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE,
+    LOG_START, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
+};
+use crate::stats::Stats;
+
+/// Nodes kept in the cache before clean ones are dropped.
+const CACHE_NODES: usize = 32768;
+
+/// The trees, the node cache and the allocator of one mounted filesystem.
+pub(crate) struct Store {
+    pub(crate) dev: Arc<dyn BlockDev>,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) sb: Superblock,
+    /// Generation of the running transaction.
+    pub(crate) generation: u64,
+    cache: HashMap<u64, Arc<Node>>,
+    dirty: BTreeSet<u64>,
+    pub(crate) alloc: Allocator,
+    refs: crate::refs::DelayedRefs,
+    roots: BTreeMap<u64, Root>,
+    written_roots: BTreeMap<u64, Root>,
+    pub(crate) bytes_used: u64,
+    /// Newest generation whose superblock is durable: older clean nodes may be dropped.
+    durable_gen: u64,
+    pub(crate) readonly: bool,
+    /// Set when a commit failed: the trees in memory are ahead of the disk for good.
+    pub(crate) failed: bool,
+}
+
+/// What a prepared commit writes, produced under the lock and written without it.
+pub(crate) struct CommitBatch {
+    nodes: Vec<(u64, Vec<u8>)>,
+    supers: Vec<(u64, Vec<u8>)>,
+    pinned: Vec<(u64, u64)>,
+    generation: u64,
+}
+
+fn random_fsid() -> [u8; 16] {
+    let mut id = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut id);
+    }
+    if id == [0; 16] {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(1);
+        id = (t ^ std::process::id() as u128).to_le_bytes();
+    }
+    id
+}
+
+fn log_len_for(size: u64) -> u64 {
+    (size / 32).clamp(1 << 20, 32 << 20) & !4095
+}
+
+fn reserve_for(size: u64) -> u64 {
+    (size / 32).clamp(4 << 20, 256 << 20)
+}
+
+fn super_holes(size: u64) -> Vec<(u64, u64)> {
+    SUPER_OFFSETS
+        .iter()
+        .filter(|&&o| o + SUPER_SIZE as u64 <= size)
+        .map(|&o| (o, SUPER_SIZE as u64))
+        .collect()
+}
+
+impl Store {
+    /// A new, empty filesystem on `dev` (mkfs); the caller fills the fs tree and commits.
+    pub(crate) fn create(dev: Arc<dyn BlockDev>, node_size: Option<u32>) -> Result<Store> {
+        let size = dev.size() & !4095;
+        if size < MIN_DEVICE_SIZE {
+            return Err(Error::Invalid("device smaller than 32 MiB"));
+        }
+        let node_size = node_size.unwrap_or(DEFAULT_NODE_SIZE);
+        if !node_size.is_power_of_two() || !(4096..=65536).contains(&node_size) {
+            return Err(Error::Invalid(
+                "node size must be a power of two from 4K to 64K",
+            ));
+        }
+        let log_len = log_len_for(size);
+        let sb = Superblock {
+            incompat: INCOMPAT_BASE,
+            compat: 0,
+            fsid: random_fsid(),
+            generation: 0,
+            total_bytes: size,
+            block_size: 4096,
+            node_size,
+            root_tree: 0,
+            root_level: 0,
+            log_start: LOG_START,
+            log_len,
+            bytes_used: 0,
+        };
+        let alloc = Allocator::new(
+            LOG_START + log_len,
+            size,
+            &super_holes(size),
+            reserve_for(size),
+        );
+        let mut s = Store::with(dev, sb, alloc, 1);
+        for id in [tree::ROOT, tree::EXTENT, tree::CSUM, tree::FS] {
+            let addr = s.new_node(id, 0, NodeBody::Leaf(Vec::new()))?;
+            s.roots.insert(
+                id,
+                Root {
+                    addr,
+                    level: 0,
+                    owner: id,
+                },
+            );
+        }
+        Ok(s)
+    }
+
+    fn with(dev: Arc<dyn BlockDev>, sb: Superblock, alloc: Allocator, generation: u64) -> Store {
+        Store {
+            dev,
+            stats: Arc::new(Stats::default()),
+            bytes_used: sb.bytes_used,
+            durable_gen: sb.generation,
+            sb,
+            generation,
+            cache: HashMap::new(),
+            dirty: BTreeSet::new(),
+            alloc,
+            refs: Default::default(),
+            roots: BTreeMap::new(),
+            written_roots: BTreeMap::new(),
+            readonly: false,
+            failed: false,
+        }
+    }
+
+    /// Reads the newest valid superblock of `dev`.
+    pub(crate) fn read_super(dev: &dyn BlockDev) -> Result<Superblock> {
+        let size = dev.size();
+        let mut best: Option<Superblock> = None;
+        let mut first_err = None;
+        for &off in SUPER_OFFSETS
+            .iter()
+            .filter(|&&o| o + SUPER_SIZE as u64 <= size)
+        {
+            let mut buf = vec![0u8; SUPER_SIZE];
+            dev.read_at(&mut buf, off)?;
+            match Superblock::decode(&buf, off) {
+                Ok(sb) if best.as_ref().is_none_or(|b| sb.generation > b.generation) => {
+                    best = Some(sb)
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    if let Error::Corrupt { .. } = e {
+                        tracing::warn!("superblock copy at {off:#x}: {e}");
+                    }
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match (best, first_err) {
+            (Some(sb), _) => Ok(sb),
+            (None, Some(Error::BadImage(m))) => Err(Error::BadImage(m)),
+            (None, Some(e)) => Err(Error::BadImage(format!("no valid superblock: {e}"))),
+            (None, None) => Err(Error::BadImage("device too small for birchfs".into())),
+        }
+    }
+
+    /// Opens the filesystem on `dev` as of its last commit.
+    pub(crate) fn open(dev: Arc<dyn BlockDev>, readonly: bool) -> Result<Store> {
+        let sb = Store::read_super(dev.as_ref())?;
+        if sb.total_bytes > dev.size() {
+            return Err(Error::BadImage(format!(
+                "image is {} bytes but its superblock says {}",
+                dev.size(),
+                sb.total_bytes
+            )));
+        }
+        let size = sb.total_bytes;
+        let alloc = Allocator::new(
+            sb.log_start + sb.log_len,
+            size,
+            &super_holes(size),
+            reserve_for(size),
+        );
+        let gen = sb.generation + 1;
+        let mut s = Store::with(dev, sb.clone(), alloc, gen);
+        s.readonly = readonly;
+        let root = Root {
+            addr: sb.root_tree,
+            level: sb.root_level,
+            owner: tree::ROOT,
+        };
+        s.roots.insert(tree::ROOT, root);
+        s.written_roots.insert(tree::ROOT, root);
+        let items = btree::range(
+            &mut s,
+            &root,
+            &Key::new(0, kind::ROOT_ITEM, 0),
+            &Key::MAX,
+            usize::MAX,
+        )?;
+        for (k, v) in items {
+            if k.ty != kind::ROOT_ITEM {
+                continue;
+            }
+            let ri = RootItem::read_from_bytes(&v)
+                .map_err(|_| Error::corrupt("root item", root.addr, "bad size"))?;
+            let r = Root {
+                addr: ri.bytenr.get(),
+                level: ri.level,
+                owner: k.objectid,
+            };
+            s.roots.insert(k.objectid, r);
+            s.written_roots.insert(k.objectid, r);
+        }
+        for id in [tree::EXTENT, tree::CSUM, tree::FS] {
+            if !s.roots.contains_key(&id) {
+                return Err(Error::corrupt(
+                    "root tree",
+                    root.addr,
+                    format!("tree {id} missing"),
+                ));
+            }
+        }
+        let mut start = Key::MIN;
+        loop {
+            let batch = s.range(tree::EXTENT, &start, &Key::MAX, 4096)?;
+            let Some(last) = batch.last() else { break };
+            start = Key::new(last.0.objectid, last.0.ty, last.0.offset.saturating_add(1));
+            for (k, _) in &batch {
+                if k.ty == kind::EXTENT_ITEM {
+                    s.alloc.mark_used(k.objectid, k.offset);
+                }
+            }
+        }
+        s.evict_clean();
+        Ok(s)
+    }
+
+    /// Bytes of the data area (what statfs calls the size of the filesystem).
+    pub(crate) fn data_bytes(&self) -> u64 {
+        self.sb.total_bytes - self.sb.log_start - self.sb.log_len
+    }
+
+    pub(crate) fn root(&self, id: u64) -> Root {
+        self.roots[&id]
+    }
+
+    pub(crate) fn search(&mut self, id: u64, key: &Key) -> Result<Option<Vec<u8>>> {
+        let r = self.root(id);
+        btree::search(self, &r, key)
+    }
+
+    pub(crate) fn range(
+        &mut self,
+        id: u64,
+        start: &Key,
+        end: &Key,
+        limit: usize,
+    ) -> Result<Vec<(Key, Vec<u8>)>> {
+        let r = self.root(id);
+        btree::range(self, &r, start, end, limit)
+    }
+
+    pub(crate) fn seek_le(&mut self, id: u64, key: &Key) -> Result<Option<(Key, Vec<u8>)>> {
+        let r = self.root(id);
+        btree::seek_le(self, &r, key)
+    }
+
+    pub(crate) fn insert(&mut self, id: u64, key: Key, val: Vec<u8>) -> Result<()> {
+        self.writable()?;
+        let mut r = self.root(id);
+        let res = btree::insert(self, &mut r, key, val);
+        self.roots.insert(id, r);
+        res
+    }
+
+    pub(crate) fn delete(&mut self, id: u64, key: &Key) -> Result<bool> {
+        self.writable()?;
+        let mut r = self.root(id);
+        let res = btree::delete(self, &mut r, key);
+        self.roots.insert(id, r);
+        res
+    }
+
+    fn writable(&self) -> Result<()> {
+        if self.readonly {
+            return Err(Error::ReadOnly);
+        }
+        if self.failed {
+            return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EIO)));
+        }
+        Ok(())
+    }
+
+    /// Allocates data space (not from the reserve) and counts the extent's first ref.
+    pub(crate) fn alloc_data(&mut self, len: u64) -> Result<(u64, u64)> {
+        self.writable()?;
+        self.alloc.alloc(len, 4096, false)
+    }
+
+    /// Queues a refcount change of a data extent.
+    pub(crate) fn data_ref(&mut self, bytenr: u64, len: u64, delta: i64) {
+        self.refs.add(bytenr, len, EXTENT_FLAG_DATA, delta);
+    }
+
+    /// Whether the running transaction changed anything.
+    pub(crate) fn has_changes(&self) -> bool {
+        !self.dirty.is_empty() || !self.refs.is_empty() || self.roots != self.written_roots
+    }
+
+    /// Number of nodes dirtied in the running transaction.
+    pub(crate) fn dirty_nodes(&self) -> usize {
+        self.dirty.len()
+    }
+
+    fn run_delayed_refs(&mut self) -> Result<()> {
+        while !self.refs.is_empty() {
+            for h in self.refs.take() {
+                let key = Key::new(h.bytenr, kind::EXTENT_ITEM, h.len);
+                let old = match self.search(tree::EXTENT, &key)? {
+                    Some(v) => Some(
+                        ExtentItem::read_from_bytes(&v)
+                            .map_err(|_| Error::corrupt("extent item", h.bytenr, "bad size"))?,
+                    ),
+                    None => None,
+                };
+                let old_refs = old.map(|o| o.refs.get() as i64).unwrap_or(0);
+                let new_refs = old_refs + h.delta;
+                if new_refs < 0 {
+                    return Err(Error::corrupt(
+                        "extent item",
+                        h.bytenr,
+                        format!("refcount would drop below zero ({old_refs} {:+})", h.delta),
+                    ));
+                }
+                if new_refs == 0 {
+                    if old.is_some() {
+                        self.delete(tree::EXTENT, &key)?;
+                        self.bytes_used -= h.len;
+                    }
+                    if h.flags & EXTENT_FLAG_DATA != 0 {
+                        self.delete(
+                            tree::CSUM,
+                            &Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr),
+                        )?;
+                    }
+                    self.alloc.pin(h.bytenr, h.len);
+                } else if new_refs != old_refs {
+                    let item = ExtentItem {
+                        refs: (new_refs as u64).into(),
+                        flags: h.flags.into(),
+                        generation: old
+                            .map(|o| o.generation.get())
+                            .unwrap_or(self.generation)
+                            .into(),
+                    };
+                    if old.is_none() {
+                        self.bytes_used += h.len;
+                    }
+                    self.insert(tree::EXTENT, key, item.as_bytes().to_vec())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings every tree and the superblock to a state ready to write; the running
+    /// generation advances. Called under the fs lock.
+    pub(crate) fn prepare_commit(&mut self) -> Result<CommitBatch> {
+        self.writable()?;
+        loop {
+            self.run_delayed_refs()?;
+            let changed: Vec<(u64, Root)> = self
+                .roots
+                .iter()
+                .filter(|(id, r)| **id != tree::ROOT && self.written_roots.get(id) != Some(r))
+                .map(|(id, r)| (*id, *r))
+                .collect();
+            if changed.is_empty() && self.refs.is_empty() {
+                break;
+            }
+            for (id, r) in changed {
+                let gen = self.read_node(r.addr)?.hdr.generation;
+                let item = RootItem {
+                    bytenr: r.addr.into(),
+                    generation: gen.into(),
+                    level: r.level,
+                    pad: [0; 7],
+                    flags: 0.into(),
+                };
+                self.insert(
+                    tree::ROOT,
+                    Key::new(id, kind::ROOT_ITEM, 0),
+                    item.as_bytes().to_vec(),
+                )?;
+                self.written_roots.insert(id, r);
+            }
+        }
+        let root = self.root(tree::ROOT);
+        self.written_roots.insert(tree::ROOT, root);
+        let node_size = self.sb.node_size as usize;
+        let mut nodes = Vec::with_capacity(self.dirty.len());
+        for addr in std::mem::take(&mut self.dirty) {
+            let n = &self.cache[&addr];
+            nodes.push((addr, encode_node(&n.hdr, &n.body, &self.sb.fsid, node_size)));
+        }
+        self.sb.generation = self.generation;
+        self.sb.root_tree = root.addr;
+        self.sb.root_level = root.level;
+        self.sb.bytes_used = self.bytes_used;
+        let supers = super_holes(self.sb.total_bytes)
+            .into_iter()
+            .map(|(off, _)| (off, self.sb.encode(off)))
+            .collect();
+        self.generation += 1;
+        Ok(CommitBatch {
+            nodes,
+            supers,
+            pinned: self.alloc.take_pinned(),
+            generation: self.sb.generation,
+        })
+    }
+
+    /// Writes a prepared commit: nodes, flush, superblocks, flush. No lock is held.
+    pub(crate) fn write_commit(
+        dev: &dyn BlockDev,
+        stats: &Stats,
+        batch: &CommitBatch,
+    ) -> Result<()> {
+        let mut i = 0;
+        while i < batch.nodes.len() {
+            // Coalesce nodes at consecutive addresses into one write.
+            let start = batch.nodes[i].0;
+            let mut buf = batch.nodes[i].1.clone();
+            let mut j = i + 1;
+            while j < batch.nodes.len()
+                && batch.nodes[j].0 == start + buf.len() as u64
+                && buf.len() < (1 << 20)
+            {
+                buf.extend_from_slice(&batch.nodes[j].1);
+                j += 1;
+            }
+            dev.write_at(&buf, start)?;
+            Stats::add(&stats.dev_meta_bytes, buf.len() as u64);
+            i = j;
+        }
+        dev.flush()?;
+        for (off, buf) in &batch.supers {
+            dev.write_at(buf, *off)?;
+            Stats::add(&stats.dev_super_bytes, buf.len() as u64);
+        }
+        dev.flush()?;
+        Stats::add(&stats.flushes, 2);
+        Stats::add(&stats.commits, 1);
+        Ok(())
+    }
+
+    /// Releases what the durable commit freed. Called under the fs lock.
+    pub(crate) fn finish_commit(&mut self, batch: CommitBatch) {
+        self.alloc.unpin(batch.pinned);
+        self.durable_gen = batch.generation;
+        self.evict_clean();
+    }
+
+    fn evict_clean(&mut self) {
+        if self.cache.len() <= CACHE_NODES {
+            return;
+        }
+        let durable = self.durable_gen;
+        let dirty = &self.dirty;
+        self.cache
+            .retain(|a, n| dirty.contains(a) || n.hdr.generation > durable || n.hdr.level > 0);
+    }
+
+    /// Every tree id and root, for check and dump.
+    pub(crate) fn roots(&self) -> Vec<(u64, Root)> {
+        self.roots.iter().map(|(a, b)| (*a, *b)).collect()
+    }
+}
+
+impl NodeStore for Store {
+    fn read_node(&mut self, addr: u64) -> Result<Arc<Node>> {
+        if let Some(n) = self.cache.get(&addr) {
+            return Ok(n.clone());
+        }
+        let ns = self.sb.node_size as usize;
+        if addr % 4096 != 0
+            || addr < self.sb.log_start + self.sb.log_len
+            || addr + ns as u64 > self.sb.total_bytes
+        {
+            return Err(Error::corrupt(
+                "tree node",
+                addr,
+                "address outside the data area",
+            ));
+        }
+        let mut buf = vec![0u8; ns];
+        self.dev.read_at(&mut buf, addr)?;
+        let (hdr, body) = decode_node(&buf, addr, &self.sb.fsid).inspect_err(|e| {
+            tracing::error!("{e}");
+        })?;
+        let n = Arc::new(Node { hdr, body });
+        if self.cache.len() > CACHE_NODES {
+            self.evict_clean();
+        }
+        self.cache.insert(addr, n.clone());
+        Ok(n)
+    }
+
+    fn cow_node(&mut self, addr: u64) -> Result<u64> {
+        if self.dirty.contains(&addr) {
+            return Ok(addr);
+        }
+        self.writable()?;
+        let n = self.read_node(addr)?;
+        let ns = self.sb.node_size as u64;
+        let (new, _) = self.alloc.alloc(ns, ns, true)?;
+        self.refs.add(new, ns, EXTENT_FLAG_TREE, 1);
+        self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
+        let mut c = (*n).clone();
+        c.hdr.addr = new;
+        c.hdr.generation = self.generation;
+        self.cache.remove(&addr);
+        self.cache.insert(new, Arc::new(c));
+        self.dirty.insert(new);
+        Ok(new)
+    }
+
+    fn node_mut(&mut self, addr: u64) -> &mut Node {
+        debug_assert!(self.dirty.contains(&addr));
+        Arc::make_mut(self.cache.get_mut(&addr).expect("writable node is cached"))
+    }
+
+    fn new_node(&mut self, owner: u64, level: u8, body: NodeBody) -> Result<u64> {
+        self.writable()?;
+        let ns = self.sb.node_size as u64;
+        let (addr, _) = self.alloc.alloc(ns, ns, true)?;
+        self.refs.add(addr, ns, EXTENT_FLAG_TREE, 1);
+        let hdr = NodeHeader {
+            addr,
+            generation: self.generation,
+            owner,
+            level,
+        };
+        self.cache.insert(addr, Arc::new(Node { hdr, body }));
+        self.dirty.insert(addr);
+        Ok(addr)
+    }
+
+    fn free_node(&mut self, addr: u64) {
+        let ns = self.sb.node_size as u64;
+        self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
+        self.dirty.remove(&addr);
+        self.cache.remove(&addr);
+    }
+
+    fn node_size(&self) -> usize {
+        self.sb.node_size as usize
+    }
+}
