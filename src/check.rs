@@ -1,1 +1,681 @@
-//! fsck.
+//! `birchfs check`: verifies an image through the format layer alone.
+//!
+//! Checks: every superblock copy; every node's checksum, fsid, address, level, owner,
+//! generation (against its parent), key order and key bounds; extent refcounts
+//! against every reference (tree nodes and file extents); overlapping extents; the
+//! superblock's bytes_used; each data extent's checksum item and every data block
+//! against it; directory entries (DIR_ITEM, DIR_INDEX, INODE_REF agree and point at
+//! inodes of the right type); inode link counts; orphan items; stray items.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use zerocopy::FromBytes;
+
+use crate::dev::BlockDev;
+use crate::error::Result;
+use crate::format::{
+    decode_dir_entries, decode_inode_refs, decode_node, decode_xattrs, kind, objectid, tree,
+    ExtentItem, FileExtent, InodeItem, Key, NodeBody, RootItem, Superblock, EXTENT_FLAG_DATA,
+    EXTENT_FLAG_TREE, FILE_EXTENT_PREALLOC, MAGIC, SUPER_OFFSETS, SUPER_SIZE,
+};
+use crate::txn::Store;
+
+/// What check found.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// One line per problem; empty when the image is clean.
+    pub problems: Vec<String>,
+    /// Tree nodes read.
+    pub nodes: u64,
+    /// Inodes seen.
+    pub inodes: u64,
+    /// Data blocks verified against their checksums.
+    pub data_blocks: u64,
+}
+
+impl Report {
+    /// One line of totals.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} problems; {} nodes, {} inodes, {} data blocks checked",
+            self.problems.len(),
+            self.nodes,
+            self.inodes,
+            self.data_blocks
+        )
+    }
+}
+
+/// Whether any superblock copy of `dev` carries birchfs's magic.
+pub fn has_birchfs_magic(dev: &dyn BlockDev) -> bool {
+    SUPER_OFFSETS.iter().any(|&off| {
+        let mut b = [0u8; 12];
+        off + SUPER_SIZE as u64 <= dev.size()
+            && dev.read_at(&mut b, off).is_ok()
+            && b[4..12] == MAGIC
+    })
+}
+
+struct Walker<'a> {
+    dev: &'a dyn BlockDev,
+    sb: Superblock,
+    rep: Report,
+    /// Tree node address -> references seen.
+    node_refs: HashMap<u64, u64>,
+}
+
+impl Walker<'_> {
+    fn problem(&mut self, s: String) {
+        if self.rep.problems.len() < 10_000 {
+            self.rep.problems.push(s);
+        }
+    }
+
+    /// Walks a tree, returning its leaf items in key order (unreadable subtrees are
+    /// reported and skipped).
+    fn walk(&mut self, root: u64, level: u8, owner: u64, gen: Option<u64>) -> Vec<(Key, Vec<u8>)> {
+        let mut out = Vec::new();
+        self.walk_rec(root, level, owner, gen, Key::MIN, None, &mut out);
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn walk_rec(
+        &mut self,
+        addr: u64,
+        level: u8,
+        owner: u64,
+        gen: Option<u64>,
+        lo: Key,
+        hi: Option<Key>,
+        out: &mut Vec<(Key, Vec<u8>)>,
+    ) {
+        let c = self.node_refs.entry(addr).or_default();
+        *c += 1;
+        if *c > 1 {
+            self.problem(format!(
+                "tree {owner}: node {addr:#x} referenced more than once"
+            ));
+            return;
+        }
+        let ns = self.sb.node_size as usize;
+        let data_start = self.sb.log_start + self.sb.log_len;
+        if addr % 4096 != 0 || addr < data_start || addr + ns as u64 > self.sb.total_bytes {
+            self.problem(format!(
+                "tree {owner}: node address {addr:#x} outside the data area"
+            ));
+            return;
+        }
+        let mut buf = vec![0u8; ns];
+        if let Err(e) = self.dev.read_at(&mut buf, addr) {
+            self.problem(format!("tree {owner}: node {addr:#x}: read error {e}"));
+            return;
+        }
+        self.rep.nodes += 1;
+        let (h, body) = match decode_node(&buf, addr, &self.sb.fsid) {
+            Ok(x) => x,
+            Err(e) => {
+                self.problem(format!("tree {owner}: {e}"));
+                return;
+            }
+        };
+        if h.level != level {
+            self.problem(format!(
+                "tree {owner}: node {addr:#x} level {} expected {level}",
+                h.level
+            ));
+            return;
+        }
+        if h.owner != owner {
+            self.problem(format!(
+                "tree {owner}: node {addr:#x} owned by tree {}",
+                h.owner
+            ));
+        }
+        if let Some(g) = gen {
+            if h.generation != g {
+                self.problem(format!(
+                    "tree {owner}: node {addr:#x} generation {} but parent says {g}",
+                    h.generation
+                ));
+            }
+        }
+        if h.generation > self.sb.generation {
+            self.problem(format!(
+                "tree {owner}: node {addr:#x} from a future generation {}",
+                h.generation
+            ));
+        }
+        let keys: Vec<Key> = match &body {
+            NodeBody::Leaf(v) => v.iter().map(|x| x.0).collect(),
+            NodeBody::Internal(v) => v.iter().map(|x| x.0).collect(),
+        };
+        if keys.first().is_some_and(|k| *k < lo)
+            || hi.is_some_and(|hi| keys.last().is_some_and(|k| *k >= hi))
+        {
+            self.problem(format!(
+                "tree {owner}: node {addr:#x} has keys outside its parent's range"
+            ));
+        }
+        match body {
+            NodeBody::Leaf(items) => out.extend(items),
+            NodeBody::Internal(ptrs) => {
+                for (i, (k, child, cgen)) in ptrs.iter().enumerate() {
+                    let next = ptrs.get(i + 1).map(|p| p.0).or(hi);
+                    self.walk_rec(
+                        *child,
+                        level - 1,
+                        owner,
+                        Some(*cgen),
+                        (*k).max(lo),
+                        next,
+                        out,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Checks the filesystem on `dev`; `Err` only when it cannot be read at all.
+pub fn check(dev: &dyn BlockDev) -> Result<Report> {
+    let sb = Store::read_super(dev)?;
+    let mut w = Walker {
+        dev,
+        sb: sb.clone(),
+        rep: Report::default(),
+        node_refs: HashMap::new(),
+    };
+    for &off in SUPER_OFFSETS
+        .iter()
+        .filter(|&&o| o + SUPER_SIZE as u64 <= sb.total_bytes)
+    {
+        let mut buf = vec![0u8; SUPER_SIZE];
+        dev.read_at(&mut buf, off)?;
+        match Superblock::decode(&buf, off) {
+            Err(e) => w.problem(format!("superblock copy at {off:#x}: {e}")),
+            Ok(s) if s.generation != sb.generation => w.problem(format!(
+                "superblock copy at {off:#x} has generation {} but the newest is {}",
+                s.generation, sb.generation
+            )),
+            Ok(_) => {}
+        }
+    }
+    let root_items = w.walk(sb.root_tree, sb.root_level, tree::ROOT, None);
+    let mut roots = BTreeMap::new();
+    for (k, v) in &root_items {
+        match (k.ty, RootItem::read_from_bytes(v)) {
+            (kind::ROOT_ITEM, Ok(r)) => {
+                roots.insert(k.objectid, r);
+            }
+            _ => w.problem(format!("root tree: bad item {k:?}")),
+        }
+    }
+    let mut trees: HashMap<u64, Vec<(Key, Vec<u8>)>> = HashMap::new();
+    for id in [tree::EXTENT, tree::CSUM, tree::FS] {
+        match roots.get(&id) {
+            None => w.problem(format!("root tree: tree {id} missing")),
+            Some(r) => {
+                let items = w.walk(r.bytenr.get(), r.level, id, Some(r.generation.get()));
+                trees.insert(id, items);
+            }
+        }
+    }
+    let fs_items = trees.remove(&tree::FS).unwrap_or_default();
+    let extent_items = trees.remove(&tree::EXTENT).unwrap_or_default();
+    let csum_items = trees.remove(&tree::CSUM).unwrap_or_default();
+
+    // Expected references: every tree node once, every file extent item once.
+    let mut expect: BTreeMap<u64, (u64, u64, u64)> = BTreeMap::new(); // bytenr -> (len, flags, refs)
+    for (&addr, &n) in &w.node_refs {
+        expect.insert(addr, (sb.node_size as u64, EXTENT_FLAG_TREE, n));
+    }
+    let mut file_extents: Vec<(Key, FileExtent)> = Vec::new();
+    for (k, v) in &fs_items {
+        if k.ty == kind::EXTENT_DATA {
+            match FileExtent::read_from_bytes(v) {
+                Ok(fe) => {
+                    let e = expect.entry(fe.disk_bytenr.get()).or_insert((
+                        fe.disk_len.get(),
+                        EXTENT_FLAG_DATA,
+                        0,
+                    ));
+                    if e.0 != fe.disk_len.get() || e.1 != EXTENT_FLAG_DATA {
+                        w.problem(format!(
+                            "inode {}: file extent at {} disagrees on extent {:#x}",
+                            k.objectid,
+                            k.offset,
+                            fe.disk_bytenr.get()
+                        ));
+                    }
+                    e.2 += 1;
+                    file_extents.push((*k, fe));
+                }
+                Err(_) => w.problem(format!(
+                    "inode {}: malformed file extent at {}",
+                    k.objectid, k.offset
+                )),
+            }
+        }
+    }
+    let mut used = 0u64;
+    let mut prev_end = 0u64;
+    let data_start = sb.log_start + sb.log_len;
+    let mut seen = HashSet::new();
+    for (k, v) in &extent_items {
+        if k.ty != kind::EXTENT_ITEM {
+            w.problem(format!("extent tree: unexpected item {k:?}"));
+            continue;
+        }
+        let Ok(ei) = ExtentItem::read_from_bytes(v) else {
+            w.problem(format!("extent tree: malformed item {k:?}"));
+            continue;
+        };
+        let (start, len) = (k.objectid, k.offset);
+        used += len;
+        if start < prev_end {
+            w.problem(format!(
+                "extent {start:#x}+{len} overlaps the previous extent"
+            ));
+        }
+        if start < data_start || start + len > sb.total_bytes {
+            w.problem(format!("extent {start:#x}+{len} outside the data area"));
+        }
+        if SUPER_OFFSETS
+            .iter()
+            .any(|&o| o < start + len && start < o + SUPER_SIZE as u64)
+        {
+            w.problem(format!("extent {start:#x}+{len} covers a superblock"));
+        }
+        prev_end = prev_end.max(start + len);
+        seen.insert(start);
+        match expect.get(&start) {
+            None => w.problem(format!(
+                "extent {start:#x}+{len} has refcount {} but nothing references it (leaked)",
+                ei.refs.get()
+            )),
+            Some(&(elen, flags, refs)) => {
+                if elen != len || flags != ei.flags.get() {
+                    w.problem(format!("extent {start:#x}: item says len {len} flags {} but references say len {elen} flags {flags}", ei.flags.get()));
+                }
+                if refs != ei.refs.get() {
+                    w.problem(format!(
+                        "extent {start:#x}: refcount {} but {refs} references found",
+                        ei.refs.get()
+                    ));
+                }
+            }
+        }
+    }
+    for (start, (len, flags, refs)) in &expect {
+        if !seen.contains(start) {
+            let what = if *flags == EXTENT_FLAG_TREE {
+                "tree node"
+            } else {
+                "data extent"
+            };
+            w.problem(format!(
+                "{what} {start:#x}+{len} has {refs} references but no extent item"
+            ));
+        }
+    }
+    if used != sb.bytes_used {
+        w.problem(format!(
+            "superblock bytes_used {} but extents add up to {used}",
+            sb.bytes_used
+        ));
+    }
+
+    // Data checksums: one item per data extent, and every data block matches.
+    let mut csums: HashMap<u64, Vec<u8>> = HashMap::new();
+    for (k, v) in csum_items {
+        if k.objectid != objectid::CSUM || k.ty != kind::EXTENT_CSUM {
+            w.problem(format!("checksum tree: unexpected item {k:?}"));
+            continue;
+        }
+        if !matches!(expect.get(&k.offset), Some((_, EXTENT_FLAG_DATA, _))) {
+            w.problem(format!(
+                "checksums for {:#x}, which is no data extent",
+                k.offset
+            ));
+        }
+        csums.insert(k.offset, v);
+    }
+    let mut verified = HashSet::new();
+    for (k, fe) in &file_extents {
+        let (b, l) = (fe.disk_bytenr.get(), fe.disk_len.get());
+        if fe.offset.get() % 4096 != 0
+            || fe.num_bytes.get() % 4096 != 0
+            || k.offset % 4096 != 0
+            || fe.offset.get() + fe.num_bytes.get() > l
+            || fe.num_bytes.get() == 0
+        {
+            w.problem(format!(
+                "inode {}: file extent at {} has bad bounds",
+                k.objectid, k.offset
+            ));
+        }
+        if fe.kind == FILE_EXTENT_PREALLOC || !verified.insert(b) {
+            continue;
+        }
+        let Some(sums) = csums.get(&b) else {
+            w.problem(format!("data extent {b:#x}: no checksums"));
+            continue;
+        };
+        if sums.len() as u64 != l / 4096 * 4 {
+            w.problem(format!(
+                "data extent {b:#x}: {} checksum bytes for {l} bytes",
+                sums.len()
+            ));
+            continue;
+        }
+        let mut buf = vec![0u8; l as usize];
+        if dev.read_at(&mut buf, b).is_err() {
+            w.problem(format!("data extent {b:#x}: read error"));
+            continue;
+        }
+        for (i, blk) in buf.chunks(4096).enumerate() {
+            w.rep.data_blocks += 1;
+            let want = u32::from_le_bytes(sums[i * 4..i * 4 + 4].try_into().unwrap());
+            if crate::format::csum(blk) != want {
+                w.problem(format!(
+                    "data block {:#x} (extent {b:#x}): checksum mismatch",
+                    b + i as u64 * 4096
+                ));
+            }
+        }
+    }
+
+    check_namespace(&mut w, &fs_items, &file_extents);
+    Ok(w.rep)
+}
+
+fn check_namespace(
+    w: &mut Walker<'_>,
+    items: &[(Key, Vec<u8>)],
+    file_extents: &[(Key, FileExtent)],
+) {
+    let mut inodes: BTreeMap<u64, InodeItem> = BTreeMap::new();
+    let mut names: HashMap<u64, u64> = HashMap::new(); // ino -> names (INODE_REF)
+    let mut subdirs: HashMap<u64, u64> = HashMap::new();
+    let mut dir_items: HashSet<(u64, Vec<u8>, u64, u64)> = HashSet::new(); // dir,name,ino,index
+    let mut dir_index: HashSet<(u64, Vec<u8>, u64, u64)> = HashSet::new();
+    let mut refs: HashSet<(u64, u64, Vec<u8>, u64)> = HashSet::new(); // ino,parent,name,index
+    let mut entry_types: Vec<(u64, u64, u8)> = Vec::new(); // dir, ino, dtype
+    let mut orphans = HashSet::new();
+    let mut owners = HashSet::new();
+    for (k, v) in items {
+        if k.objectid == objectid::ORPHAN {
+            if k.ty == kind::ORPHAN_ITEM {
+                orphans.insert(k.offset);
+            } else {
+                w.problem(format!("unexpected item {k:?} in the orphan range"));
+            }
+            continue;
+        }
+        owners.insert(k.objectid);
+        let bad = |w: &mut Walker<'_>, what: &str| {
+            w.problem(format!("inode {}: malformed {what} {k:?}", k.objectid))
+        };
+        match k.ty {
+            kind::INODE_ITEM => match InodeItem::read_from_bytes(v) {
+                Ok(i) => {
+                    inodes.insert(k.objectid, i);
+                }
+                Err(_) => bad(w, "inode item"),
+            },
+            kind::INODE_REF => match decode_inode_refs(v) {
+                Some(l) => {
+                    for r in l {
+                        *names.entry(k.objectid).or_default() += 1;
+                        refs.insert((k.objectid, k.offset, r.name, r.index));
+                    }
+                }
+                None => bad(w, "inode ref"),
+            },
+            kind::DIR_ITEM => match decode_dir_entries(v) {
+                Some(l) => {
+                    for e in l {
+                        if crate::format::name_hash(&e.name) != k.offset {
+                            w.problem(format!(
+                                "dir {}: entry {:?} under the wrong hash",
+                                k.objectid,
+                                String::from_utf8_lossy(&e.name)
+                            ));
+                        }
+                        if e.dtype == libc::DT_DIR {
+                            *subdirs.entry(k.objectid).or_default() += 1;
+                        }
+                        entry_types.push((k.objectid, e.ino, e.dtype));
+                        dir_items.insert((k.objectid, e.name, e.ino, e.index));
+                    }
+                }
+                None => bad(w, "dir item"),
+            },
+            kind::DIR_INDEX => match decode_dir_entries(v) {
+                Some(l) if l.len() == 1 && l[0].index == k.offset => {
+                    let e = &l[0];
+                    dir_index.insert((k.objectid, e.name.clone(), e.ino, e.index));
+                }
+                _ => bad(w, "dir index"),
+            },
+            kind::XATTR_ITEM => {
+                if decode_xattrs(v).is_none() {
+                    bad(w, "xattr item")
+                }
+            }
+            kind::SYMLINK | kind::EXTENT_DATA => {}
+            _ => w.problem(format!("unknown item {k:?}")),
+        }
+    }
+    w.rep.inodes = inodes.len() as u64;
+    for o in &owners {
+        if !inodes.contains_key(o) {
+            w.problem(format!("items of inode {o}, which has no inode item"));
+        }
+    }
+    for e in dir_items.difference(&dir_index) {
+        w.problem(format!(
+            "dir {}: entry {:?} (ino {}) has no dir index",
+            e.0,
+            String::from_utf8_lossy(&e.1),
+            e.2
+        ));
+    }
+    for e in dir_index.difference(&dir_items) {
+        w.problem(format!(
+            "dir {}: index {} ({:?}) has no dir item",
+            e.0,
+            e.3,
+            String::from_utf8_lossy(&e.1)
+        ));
+    }
+    for (dir, name, ino, index) in &dir_items {
+        if !refs.contains(&(*ino, *dir, name.clone(), *index)) {
+            w.problem(format!(
+                "dir {dir}: entry {:?} has no back reference in inode {ino}",
+                String::from_utf8_lossy(name)
+            ));
+        }
+    }
+    for (ino, parent, name, index) in &refs {
+        if !dir_items.contains(&(*parent, name.clone(), *ino, *index)) {
+            w.problem(format!(
+                "inode {ino}: name {:?} in dir {parent} has no dir entry",
+                String::from_utf8_lossy(name)
+            ));
+        }
+    }
+    for (dir, ino, dtype) in &entry_types {
+        match inodes.get(ino) {
+            None => w.problem(format!("dir {dir}: entry points at missing inode {ino}")),
+            Some(i) => {
+                let want = crate::fs::FileKind::from_mode(i.mode.get()).map(|k| k.dtype());
+                if want != Some(*dtype) {
+                    w.problem(format!(
+                        "dir {dir}: entry for inode {ino} has type {dtype}, inode says {want:?}"
+                    ));
+                }
+            }
+        }
+        if !inodes
+            .get(dir)
+            .is_some_and(|d| d.mode.get() & libc::S_IFMT == libc::S_IFDIR)
+        {
+            w.problem(format!("entries under {dir}, which is not a directory"));
+        }
+    }
+    let mut nbytes: HashMap<u64, u64> = HashMap::new();
+    let mut last_end: HashMap<u64, u64> = HashMap::new();
+    for (k, fe) in file_extents {
+        *nbytes.entry(k.objectid).or_default() += fe.num_bytes.get();
+        let e = last_end.entry(k.objectid).or_default();
+        if k.offset < *e {
+            w.problem(format!(
+                "inode {}: file extents overlap at {}",
+                k.objectid, k.offset
+            ));
+        }
+        *e = k.offset + fe.num_bytes.get();
+    }
+    for (ino, i) in &inodes {
+        let is_dir = i.mode.get() & libc::S_IFMT == libc::S_IFDIR;
+        let n = names.get(ino).copied().unwrap_or(0);
+        let nlink = i.nlink.get() as u64;
+        if is_dir {
+            let want_names = if *ino == objectid::ROOT_DIR { 0 } else { 1 };
+            if nlink != 0 && n != want_names {
+                w.problem(format!("dir {ino}: {n} names, expected {want_names}"));
+            }
+            let want = 2 + subdirs.get(ino).copied().unwrap_or(0);
+            if nlink != 0 && nlink != want {
+                w.problem(format!("dir {ino}: link count {nlink}, expected {want}"));
+            }
+        } else if nlink != n {
+            w.problem(format!("inode {ino}: link count {nlink} but {n} names"));
+        }
+        if nlink == 0 && !orphans.contains(ino) {
+            w.problem(format!("inode {ino}: no links and no orphan item (leaked)"));
+        }
+        let nb = nbytes.get(ino).copied().unwrap_or(0);
+        if nb != i.nbytes.get() {
+            w.problem(format!(
+                "inode {ino}: nbytes {} but extents add up to {nb}",
+                i.nbytes.get()
+            ));
+        }
+    }
+    for o in &orphans {
+        if !inodes.contains_key(o) {
+            w.problem(format!("orphan item for missing inode {o}"));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::dev::MemDev;
+    use crate::{Creds, Fs, MkfsOptions, Options, ROOT_INO};
+
+    fn populated() -> Arc<MemDev> {
+        let dev = Arc::new(MemDev::new(64 << 20));
+        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+        let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+        let c = Creds::default();
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, c).unwrap();
+        for i in 0..300 {
+            let f = fs
+                .mknod(d.ino, format!("f{i}").as_bytes(), 0o644, 0, c)
+                .unwrap();
+            fs.write(f.ino, 0, &vec![i as u8; 5000]).unwrap();
+        }
+        fs.link(
+            fs.lookup_nopin(d.ino, b"f1").unwrap().ino,
+            ROOT_INO,
+            b"hard",
+        )
+        .unwrap();
+        fs.unmount().unwrap();
+        dev
+    }
+
+    #[test]
+    fn a_fresh_and_a_used_filesystem_are_clean() {
+        let dev = populated();
+        let rep = check(dev.as_ref()).unwrap();
+        assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+        assert!(rep.nodes > 3 && rep.inodes == 302 && rep.data_blocks >= 600);
+    }
+
+    #[test]
+    fn finds_a_corrupted_node_and_a_corrupted_data_block() {
+        let dev = populated();
+        let sb = Store::read_super(dev.as_ref()).unwrap();
+        let mut img = dev.image();
+        // flip a byte in the middle of the root tree's root node
+        img[sb.root_tree as usize + 200] ^= 0x40;
+        let rep = check(&MemDev::from_image(img)).unwrap();
+        assert!(
+            rep.problems.iter().any(|p| p.contains("checksum mismatch")),
+            "{:#?}",
+            rep.problems
+        );
+
+        // find a data block through a file extent and flip one bit of it
+        let fs = Fs::open(
+            dev.clone(),
+            Options {
+                readonly: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let ino = fs.resolve("/d/f7").unwrap().ino;
+        let addr = {
+            let mut g = fs.inner.lock();
+            let (_, v) = g
+                .store
+                .seek_le(tree::FS, &Key::new(ino, kind::EXTENT_DATA, 0))
+                .unwrap()
+                .unwrap();
+            FileExtent::read_from_bytes(&v).unwrap().disk_bytenr.get()
+        };
+        drop(fs);
+        let mut img = dev.image();
+        img[addr as usize + 10] ^= 1;
+        let bad = Arc::new(MemDev::from_image(img));
+        let rep = check(bad.as_ref()).unwrap();
+        assert!(
+            rep.problems
+                .iter()
+                .any(|p| p.contains(&format!("data block {addr:#x}"))),
+            "{:#?}",
+            rep.problems
+        );
+        let fs = Fs::open(bad, Options::default()).unwrap();
+        let ino = fs.resolve("/d/f7").unwrap().ino;
+        assert!(matches!(
+            fs.read(ino, 0, 100),
+            Err(crate::Error::Corrupt { .. })
+        ));
+        let other = fs.resolve("/d/f8").unwrap().ino;
+        assert_eq!(fs.read(other, 0, 3).unwrap(), vec![8; 3]);
+    }
+
+    #[test]
+    fn unreadable_images_are_errors_not_reports() {
+        assert!(check(&MemDev::new(64 << 20)).is_err());
+        let dev = populated();
+        let mut img = dev.image();
+        for &o in SUPER_OFFSETS
+            .iter()
+            .filter(|&&o| o as usize + SUPER_SIZE <= img.len())
+        {
+            img[o as usize + 50] ^= 1;
+        }
+        assert!(check(&MemDev::from_image(img)).is_err());
+    }
+}

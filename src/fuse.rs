@@ -1,1 +1,635 @@
-//! FUSE adapter.
+//! The FUSE front door: maps kernel requests onto [`Fs`] and errors onto errno.
+//!
+//! Inode numbers: the kernel's root (1) is birchfs's root directory (256); every other
+//! number is the same on both sides. Each entry handed to the kernel (lookup, create,
+//! readdirplus) pins the inode until the kernel forgets it, so an unlinked inode lives
+//! on while the kernel can still name it (DESIGN "FUSE inode lifetime").
+//!
+//! With the writeback cache on, the kernel owns mtime and size of cached files and
+//! sends them back with setattr; it applies the umask itself before sending a mode.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags as FuseRenameFlags,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+
+use crate::error::Error;
+use crate::fs::{Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr, TimeSet, ROOT_INO};
+
+const TTL: Duration = Duration::from_secs(1);
+
+/// Adapts a [`Fs`] to fuser's `Filesystem` trait.
+pub struct FuseFs {
+    fs: Arc<Fs>,
+}
+
+impl FuseFs {
+    /// Serves `fs` through FUSE.
+    pub fn new(fs: Arc<Fs>) -> FuseFs {
+        FuseFs { fs }
+    }
+}
+
+fn to_ino(fuse: INodeNo) -> u64 {
+    if fuse.0 == 1 {
+        ROOT_INO
+    } else {
+        fuse.0
+    }
+}
+
+fn to_fuse(ino: u64) -> INodeNo {
+    if ino == ROOT_INO {
+        INodeNo(1)
+    } else {
+        INodeNo(ino)
+    }
+}
+
+fn errno(e: &Error) -> Errno {
+    match e {
+        Error::Corrupt { .. } | Error::Io(_) | Error::BadImage(_) => tracing::error!("{e}"),
+        _ => tracing::debug!("{e}"),
+    }
+    Errno::from_i32(e.errno())
+}
+
+fn kind(k: FileKind) -> FileType {
+    match k {
+        FileKind::File => FileType::RegularFile,
+        FileKind::Dir => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::CharDev => FileType::CharDevice,
+        FileKind::BlockDev => FileType::BlockDevice,
+        FileKind::Socket => FileType::Socket,
+    }
+}
+
+fn fattr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: to_fuse(a.ino),
+        size: a.size,
+        blocks: a.blocks,
+        atime: a.atime,
+        mtime: a.mtime,
+        ctime: a.ctime,
+        crtime: a.crtime,
+        kind: kind(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev as u32,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+fn time_set(t: TimeOrNow) -> TimeSet {
+    match t {
+        TimeOrNow::Now => TimeSet::Now,
+        TimeOrNow::SpecificTime(s) => TimeSet::At(s),
+    }
+}
+
+impl FuseFs {
+    /// Owner of a new inode: the caller, or the directory's group under setgid.
+    fn creds(&self, req: &Request, parent: u64) -> (Creds, bool) {
+        let mut c = Creds {
+            uid: req.uid(),
+            gid: req.gid(),
+        };
+        let mut sgid = false;
+        if let Ok(p) = self.fs.getattr(parent) {
+            if p.perm & libc::S_ISGID as u16 != 0 {
+                c.gid = p.gid;
+                sgid = true;
+            }
+        }
+        (c, sgid)
+    }
+
+    fn entry(&self, r: crate::Result<Attr>, reply: ReplyEntry) {
+        match r {
+            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(a.generation)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// Creates a node and pins it for the entry the kernel receives.
+    fn make(
+        &self,
+        req: &Request,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        rdev: u64,
+    ) -> crate::Result<Attr> {
+        let (c, sgid) = self.creds(req, parent);
+        let mut mode = mode;
+        if sgid && mode & libc::S_IFMT == libc::S_IFDIR {
+            mode |= libc::S_ISGID;
+        }
+        let a = if mode & libc::S_IFMT == libc::S_IFDIR {
+            self.fs.mkdir(parent, name.as_bytes(), mode, c)?
+        } else {
+            self.fs.mknod(parent, name.as_bytes(), mode, rdev, c)?
+        };
+        // The entry is handed to the kernel: pin it like a lookup.
+        self.fs
+            .lookup(parent, name.as_bytes())
+            .or(Ok::<Attr, Error>(a))
+    }
+}
+
+impl Filesystem for FuseFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        if config
+            .capabilities()
+            .contains(InitFlags::FUSE_WRITEBACK_CACHE)
+        {
+            let _ = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE);
+        }
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        let _ = config.set_max_background(64);
+        let _ = config.set_time_granularity(Duration::from_nanos(1));
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        if let Err(e) = self.fs.commit() {
+            tracing::error!("commit at unmount failed: {e}");
+        }
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.entry(self.fs.lookup(to_ino(parent), name.as_bytes()), reply)
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(to_ino(ino), nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.fs.getattr(to_ino(ino)) {
+            Ok(a) => reply.attr(&TTL, &fattr(&a)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: atime.map(time_set),
+            mtime: mtime.map(time_set),
+            ctime,
+        };
+        match self.fs.setattr(to_ino(ino), &set) {
+            Ok(a) => reply.attr(&TTL, &fattr(&a)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.fs.readlink(to_ino(ino)) {
+            Ok(t) => reply.data(&t),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        self.entry(
+            self.make(req, to_ino(parent), name, mode, rdev as u64),
+            reply,
+        )
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let mode = libc::S_IFDIR | (mode & 0o7777);
+        self.entry(self.make(req, to_ino(parent), name, mode, 0), reply)
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.unlink(to_ino(parent), name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.rmdir(to_ino(parent), name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let p = to_ino(parent);
+        let (c, _) = self.creds(req, p);
+        let r = self
+            .fs
+            .symlink(p, link_name.as_bytes(), target.as_os_str().as_bytes(), c)
+            .and_then(|_| self.fs.lookup(p, link_name.as_bytes()));
+        self.entry(r, reply)
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: FuseRenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        if flags.contains(FuseRenameFlags::RENAME_WHITEOUT) {
+            return reply.error(Errno::from_i32(libc::EINVAL));
+        }
+        let f = RenameFlags {
+            noreplace: flags.contains(FuseRenameFlags::RENAME_NOREPLACE),
+            exchange: flags.contains(FuseRenameFlags::RENAME_EXCHANGE),
+        };
+        match self.fs.rename(
+            to_ino(parent),
+            name.as_bytes(),
+            to_ino(newparent),
+            newname.as_bytes(),
+            f,
+        ) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let p = to_ino(newparent);
+        let r = self
+            .fs
+            .link(to_ino(ino), p, newname.as_bytes())
+            .and_then(|_| self.fs.lookup(p, newname.as_bytes()));
+        self.entry(r, reply)
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.open_ino(to_ino(ino)) {
+            Ok(a) if a.kind == FileKind::Dir => {
+                let _ = self.fs.release(a.ino);
+                reply.error(Errno::from_i32(libc::EISDIR))
+            }
+            Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.fs.read(to_ino(ino), offset, size) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        match self.fs.write(to_ino(ino), offset, data) {
+            Ok(n) => reply.written(n as u32),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok()
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.release(to_ino(ino)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.fsync(to_ino(ino), datasync) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.getattr(to_ino(ino)) {
+            Ok(a) if a.kind != FileKind::Dir => reply.error(Errno::from_i32(libc::ENOTDIR)),
+            Ok(_) => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        match self.fs.readdir(to_ino(ino), offset, 512) {
+            Ok(list) => {
+                for e in list {
+                    if reply.add(
+                        to_fuse(e.ino),
+                        e.next_offset,
+                        kind(e.kind),
+                        OsStr::from_bytes(&e.name),
+                    ) {
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let dir = to_ino(ino);
+        match self.fs.readdir(dir, offset, 256) {
+            Ok(list) => {
+                for e in list {
+                    let dots = e.name == b"." || e.name == b"..";
+                    let a = if dots {
+                        self.fs.getattr(e.ino)
+                    } else {
+                        self.fs.lookup(dir, &e.name)
+                    };
+                    let Ok(a) = a else { continue };
+                    let full = reply.add(
+                        to_fuse(e.ino),
+                        e.next_offset,
+                        OsStr::from_bytes(&e.name),
+                        &TTL,
+                        &fattr(&a),
+                        Generation(a.generation),
+                    );
+                    if full {
+                        if !dots {
+                            self.fs.forget(e.ino, 1);
+                        }
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.fsync(to_ino(ino), datasync) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let s = self.fs.statfs();
+        reply.statfs(
+            s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize,
+        )
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let create = flags & libc::XATTR_CREATE != 0;
+        let replace = flags & libc::XATTR_REPLACE != 0;
+        match self
+            .fs
+            .setxattr(to_ino(ino), name.as_bytes(), value, create, replace)
+        {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self.fs.getxattr(to_ino(ino), name.as_bytes()) {
+            Ok(v) if size == 0 => reply.size(v.len() as u32),
+            Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
+            Ok(v) => reply.data(&v),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.fs.listxattr(to_ino(ino)) {
+            Ok(names) => {
+                let mut buf = Vec::new();
+                for n in names {
+                    buf.extend_from_slice(&n);
+                    buf.push(0);
+                }
+                if size == 0 {
+                    reply.size(buf.len() as u32)
+                } else if buf.len() > size as usize {
+                    reply.error(Errno::from_i32(libc::ERANGE))
+                } else {
+                    reply.data(&buf)
+                }
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.removexattr(to_ino(ino), name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        match self
+            .fs
+            .access(to_ino(ino), mask.bits(), req.uid(), req.gid(), &[])
+        {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let p = to_ino(parent);
+        let r = self.make(req, p, name, mode, 0).and_then(|a| {
+            self.fs.open_ino(a.ino)?;
+            Ok(a)
+        });
+        match r {
+            Ok(a) => reply.created(
+                &TTL,
+                &fattr(&a),
+                Generation(a.generation),
+                FileHandle(0),
+                FopenFlags::FOPEN_KEEP_CACHE,
+            ),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        let known = libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE;
+        if mode & !known != 0 {
+            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        }
+        let m = FallocMode {
+            keep_size: mode & libc::FALLOC_FL_KEEP_SIZE != 0,
+            punch_hole: mode & libc::FALLOC_FL_PUNCH_HOLE != 0,
+        };
+        match self.fs.fallocate(to_ino(ino), offset, length, m) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+}

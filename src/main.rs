@@ -1,1 +1,393 @@
-fn main() {}
+//! The `birchfs` command: mkfs, mount, check, dump.
+
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+use birchfs::dev::FileDev;
+use birchfs::fuse::FuseFs;
+use birchfs::{Fs, MkfsOptions, Options};
+
+#[derive(Parser)]
+#[command(
+    name = "birchfs",
+    version,
+    about = "A copy-on-write, checksummed filesystem in user space"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Create a birchfs filesystem on IMAGE (created sparse if missing)
+    Mkfs {
+        /// Size of a new or grown image (e.g. 10G, 512M); default: the existing size, or 1G
+        #[arg(long)]
+        size: Option<String>,
+        /// Overwrite an existing birchfs filesystem
+        #[arg(long)]
+        force: bool,
+        /// B-tree node size in bytes (4096..65536, power of two)
+        #[arg(long)]
+        node_size: Option<u32>,
+        /// Image file or block device
+        image: PathBuf,
+    },
+    /// Mount IMAGE on MOUNTPOINT through FUSE
+    Mount {
+        /// Options: commit=SECONDS, ro
+        #[arg(short = 'o', value_delimiter = ',')]
+        options: Vec<String>,
+        /// Stay in the foreground until unmounted
+        #[arg(long)]
+        foreground: bool,
+        /// Write the daemon's log here (background mounts log nowhere otherwise)
+        #[arg(long)]
+        log: Option<PathBuf>,
+        /// Internal: the fd on which to report readiness to the parent
+        #[arg(long, hide = true)]
+        ready_fd: Option<i32>,
+        /// Image file or block device
+        image: PathBuf,
+        /// Directory to mount on
+        mountpoint: PathBuf,
+    },
+    /// Check the filesystem: exit 0 clean, 1 problems found, 2 unreadable
+    Check {
+        /// Image file or block device
+        image: PathBuf,
+    },
+    /// Print the trees of IMAGE
+    Dump {
+        /// Only this tree: root, extent, fs, csum
+        #[arg(long)]
+        tree: Option<String>,
+        /// Image file or block device
+        image: PathBuf,
+    },
+}
+
+fn parse_size(s: &str) -> Result<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        Some('T') => (&s[..s.len() - 1], 1 << 40),
+        _ => (s, 1),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| anyhow!("bad size '{s}' (use e.g. 512M, 10G)"))?;
+    n.checked_mul(mult)
+        .ok_or_else(|| anyhow!("size '{s}' too large"))
+}
+
+fn mkfs(image: &Path, size: Option<String>, force: bool, node_size: Option<u32>) -> Result<()> {
+    let size = size.as_deref().map(parse_size).transpose()?;
+    let exists = image.exists();
+    if exists && !force {
+        let dev = FileDev::open(image, false)
+            .with_context(|| format!("cannot open {}", image.display()))?;
+        if birchfs::check::has_birchfs_magic(&dev) {
+            bail!(
+                "{} already holds a birchfs filesystem; use --force to overwrite it",
+                image.display()
+            );
+        }
+    }
+    if !exists || size.is_some() {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(image)
+            .with_context(|| format!("cannot create {}", image.display()))?;
+        let meta = f.metadata()?;
+        if meta.file_type().is_file() {
+            let want = size.unwrap_or(1 << 30);
+            if meta.len() != want {
+                f.set_len(want)
+                    .with_context(|| format!("cannot size {}", image.display()))?;
+            }
+        }
+    }
+    let dev = Arc::new(
+        FileDev::open(image, true).with_context(|| format!("cannot open {}", image.display()))?,
+    );
+    let bytes = birchfs::dev::BlockDev::size(dev.as_ref());
+    Fs::mkfs(dev, &MkfsOptions { node_size })
+        .with_context(|| format!("mkfs on {} failed", image.display()))?;
+    println!(
+        "created birchfs on {} ({} MiB)",
+        image.display(),
+        bytes >> 20
+    );
+    Ok(())
+}
+
+struct MountOpts {
+    fs: Options,
+}
+
+fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
+    let mut o = MountOpts {
+        fs: Options::default(),
+    };
+    for opt in list.iter().filter(|s| !s.is_empty()) {
+        match opt.split_once('=') {
+            Some(("commit", v)) => {
+                let secs: u64 = v
+                    .parse()
+                    .map_err(|_| anyhow!("bad value in mount option '{opt}'"))?;
+                o.fs.commit_interval = Duration::from_secs(secs);
+            }
+            None if opt == "ro" => o.fs.readonly = true,
+            None if opt == "rw" => o.fs.readonly = false,
+            _ => bail!("unknown mount option '{opt}' (known: commit=SECONDS, ro, rw)"),
+        }
+    }
+    Ok(o)
+}
+
+fn init_logging(log: Option<&Path>) -> Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BIRCHFS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter);
+    match log {
+        Some(p) => {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open log {}", p.display()))?;
+            b.with_writer(std::sync::Mutex::new(f))
+                .with_ansi(false)
+                .init();
+        }
+        None => b.with_writer(std::io::stderr).init(),
+    }
+    Ok(())
+}
+
+/// Starts the daemon in the background and waits until it reports the mount ready.
+fn mount_background(args: &[String]) -> Result<()> {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe writes two fds into the array.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        bail!("pipe: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned here.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let exe = std::env::current_exe().context("cannot find own executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("mount")
+        .arg("--foreground")
+        .arg("--ready-fd")
+        .arg(fds[1].to_string());
+    cmd.args(args);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let rd_raw = fds[0];
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            libc::close(rd_raw);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("cannot start the mount daemon")?;
+    drop(wr);
+    let mut msg = String::new();
+    std::fs::File::from(rd).read_to_string(&mut msg)?;
+    if msg.starts_with("ok") {
+        return Ok(());
+    }
+    let _ = child.wait();
+    let msg = msg.trim();
+    if msg.is_empty() {
+        bail!("the mount daemon exited before the mount was ready");
+    }
+    bail!("{msg}")
+}
+
+fn mount(opts: &[String], image: &Path, mountpoint: &Path, ready_fd: Option<i32>) -> Result<()> {
+    // SAFETY: the fd was handed to us by the parent for this purpose.
+    let mut ready = ready_fd.map(|fd| std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }));
+    let r = mount_serve(opts, image, mountpoint, &mut ready);
+    if let (Err(e), Some(f)) = (&r, ready.as_mut()) {
+        let _ = writeln!(f, "{e:#}");
+    }
+    r
+}
+
+fn mount_serve(
+    opts: &[String],
+    image: &Path,
+    mountpoint: &Path,
+    ready: &mut Option<std::fs::File>,
+) -> Result<()> {
+    let mo = parse_mount_options(opts)?;
+    if !mountpoint.is_dir() {
+        bail!(
+            "mountpoint {} does not exist or is not a directory",
+            mountpoint.display()
+        );
+    }
+    let dev = FileDev::open(image, !mo.fs.readonly)
+        .with_context(|| format!("cannot open {}", image.display()))?;
+    let fs = Arc::new(
+        Fs::open(Arc::new(dev), mo.fs.clone())
+            .with_context(|| format!("cannot mount {}", image.display()))?,
+    );
+    let mut cfg = fuser::Config::default();
+    cfg.mount_options = vec![
+        fuser::MountOption::FSName(format!("birchfs:{}", image.display())),
+        fuser::MountOption::Subtype("birchfs".into()),
+        fuser::MountOption::DefaultPermissions,
+    ];
+    if mo.fs.readonly {
+        cfg.mount_options.push(fuser::MountOption::RO);
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cfg.acl = fuser::SessionACL::All;
+        cfg.mount_options.push(fuser::MountOption::Dev);
+        cfg.mount_options.push(fuser::MountOption::Suid);
+    }
+    cfg.n_threads = Some(8);
+    cfg.clone_fd = true;
+    let mut session = fuser::Session::new(FuseFs::new(fs.clone()), mountpoint, &cfg)
+        .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
+    let mut unmounter = session.unmount_callable();
+    let mut signals =
+        signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!("signal {sig}: unmounting");
+                if let Err(e) = unmounter.unmount() {
+                    tracing::error!("unmount on signal failed: {e}");
+                }
+            }
+        })?;
+    if !mo.fs.commit_interval.is_zero() && !mo.fs.readonly {
+        let weak = Arc::downgrade(&fs);
+        let every = mo.fs.commit_interval;
+        std::thread::Builder::new()
+            .name("committer".into())
+            .spawn(move || loop {
+                std::thread::sleep(every);
+                let Some(fs) = weak.upgrade() else { break };
+                if let Err(e) = fs.commit() {
+                    tracing::error!("periodic commit failed: {e}");
+                }
+            })?;
+    }
+    if let Some(mut f) = ready.take() {
+        let _ = f.write_all(b"ok\n");
+    }
+    let r = session.run();
+    fs.commit().context("final commit failed")?;
+    r.context("FUSE session failed")?;
+    Ok(())
+}
+
+fn run() -> Result<ExitCode> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Mkfs {
+            size,
+            force,
+            node_size,
+            image,
+        } => {
+            init_logging(None)?;
+            mkfs(&image, size, force, node_size)?;
+        }
+        Cmd::Mount {
+            options,
+            foreground,
+            log,
+            ready_fd,
+            image,
+            mountpoint,
+        } => {
+            if !foreground {
+                parse_mount_options(&options)?;
+                let mut args: Vec<String> = Vec::new();
+                if !options.is_empty() {
+                    args.push("-o".into());
+                    args.push(options.join(","));
+                }
+                if let Some(l) = &log {
+                    args.push("--log".into());
+                    args.push(std::path::absolute(l)?.display().to_string());
+                }
+                args.push(std::path::absolute(&image)?.display().to_string());
+                args.push(std::path::absolute(&mountpoint)?.display().to_string());
+                mount_background(&args)?;
+            } else {
+                init_logging(log.as_deref())?;
+                mount(&options, &image, &mountpoint, ready_fd)?;
+            }
+        }
+        Cmd::Check { image } => {
+            init_logging(None)?;
+            let dev = match FileDev::open(&image, false) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("birchfs check: cannot open {}: {e}", image.display());
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            return Ok(match birchfs::check::check(&dev) {
+                Err(e) => {
+                    eprintln!("birchfs check: {}: {e}", image.display());
+                    ExitCode::from(2)
+                }
+                Ok(rep) => {
+                    for p in &rep.problems {
+                        println!("{p}");
+                    }
+                    eprintln!("{}", rep.summary());
+                    if rep.problems.is_empty() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    }
+                }
+            });
+        }
+        Cmd::Dump { tree, image } => {
+            init_logging(None)?;
+            let dev = FileDev::open(&image, false)
+                .with_context(|| format!("cannot open {}", image.display()))?;
+            let stdout = std::io::stdout();
+            birchfs::dump::dump(&dev, tree.as_deref(), &mut stdout.lock())?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("birchfs: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -502,11 +502,6 @@ impl Store {
         self.cache
             .retain(|a, n| dirty.contains(a) || n.hdr.generation > durable || n.hdr.level > 0);
     }
-
-    /// Every tree id and root, for check and dump.
-    pub(crate) fn roots(&self) -> Vec<(u64, Root)> {
-        self.roots.iter().map(|(a, b)| (*a, *b)).collect()
-    }
 }
 
 impl NodeStore for Store {

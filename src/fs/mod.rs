@@ -120,7 +120,7 @@ pub(crate) struct Inner {
 
 /// A mounted birchfs: the library's front door. All methods are thread-safe.
 pub struct Fs {
-    inner: Mutex<Inner>,
+    pub(crate) inner: Mutex<Inner>,
     commit_lock: Mutex<()>,
     dev: Arc<dyn BlockDev>,
     stats: Arc<Stats>,
