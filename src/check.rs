@@ -518,9 +518,9 @@ fn check_namespace(
                 }
             }
         }
-        if !inodes
+        if inodes
             .get(dir)
-            .is_some_and(|d| d.mode.get() & libc::S_IFMT == libc::S_IFDIR)
+            .is_none_or(|d| d.mode.get() & libc::S_IFMT != libc::S_IFDIR)
         {
             w.problem(format!("entries under {dir}, which is not a directory"));
         }
@@ -670,9 +670,10 @@ mod tests {
         assert!(check(&MemDev::new(64 << 20)).is_err());
         let dev = populated();
         let mut img = dev.image();
+        let n = img.len();
         for &o in SUPER_OFFSETS
             .iter()
-            .filter(|&&o| o as usize + SUPER_SIZE <= img.len())
+            .filter(|&&o| o as usize + SUPER_SIZE <= n)
         {
             img[o as usize + 50] ^= 1;
         }

@@ -131,8 +131,8 @@ fn range_rec<S: NodeStore>(
         }
         NodeBody::Internal(ptrs) => {
             let i0 = n.child_index(start);
-            for i in i0..ptrs.len() {
-                if (i > i0 && ptrs[i].0 >= *end) || out.len() >= limit {
+            for (i, p) in ptrs.iter().enumerate().skip(i0) {
+                if (i > i0 && p.0 >= *end) || out.len() >= limit {
                     break;
                 }
                 let c = load_child(s, n, i)?;
@@ -476,9 +476,9 @@ mod tests {
                     }
                 }
                 NodeBody::Internal(p) => {
-                    for i in 0..p.len() {
+                    for (i, ptr) in p.iter().enumerate() {
                         let c = load_child(s, n, i).unwrap();
-                        rec(s, &c, Some(p[i].0).filter(|_| i > 0).or(lo), out, false);
+                        rec(s, &c, Some(ptr.0).filter(|_| i > 0).or(lo), out, false);
                     }
                 }
             }

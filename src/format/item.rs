@@ -367,8 +367,10 @@ mod tests {
             let t = Timespec::new(s, n);
             assert_eq!(Timespec::from_system(t.to_system()), t);
         }
-        let mut i = InodeItem::default();
-        i.size = 77.into();
+        let i = InodeItem {
+            size: 77.into(),
+            ..Default::default()
+        };
         let b = i.as_bytes().to_vec();
         assert_eq!(InodeItem::read_from_bytes(&b).unwrap(), i);
     }

@@ -1,0 +1,42 @@
+# birchfs: build, mount, test. See README.md.
+CARGO ?= cargo
+BIN := target/release/birchfs
+IMAGE ?= birchfs.img
+MNT ?= mnt
+SIZE ?= 4G
+
+.PHONY: all build deps mount test test-long lint fmt clean
+
+all: build
+
+build:
+	$(CARGO) build --release
+
+# Installs what is missing on a Debian/Ubuntu machine (fuse3 for fusermount3).
+deps:
+	@command -v fusermount3 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq fuse3; }
+
+# Builds, creates ./birchfs.img if absent, and mounts it on ./mnt until Ctrl-C.
+mount: deps build
+	@mkdir -p $(MNT)
+	@test -e $(IMAGE) || $(BIN) mkfs --size $(SIZE) $(IMAGE)
+	$(BIN) mount --foreground $(IMAGE) $(MNT)
+
+# Every test: unit, model, FUSE integration, data. Release build: the data tests move GiBs.
+test: deps
+	$(CARGO) build --release
+	$(CARGO) test --release -- --test-threads=2
+
+# The long variants (1 GiB data tests, more model cases).
+test-long: deps
+	BIRCHFS_LONG=1 PROPTEST_CASES=2000 $(CARGO) test --release -- --test-threads=2
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
