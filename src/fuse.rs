@@ -26,6 +26,10 @@ use crate::fs::{Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr, Tim
 
 const TTL: Duration = Duration::from_secs(1);
 
+/// A virtual xattr of the mount's root: the daemon's statistics as JSON
+/// (what `birchfs stats` reads). It is not listed and cannot be set.
+pub const STATS_XATTR: &str = "birchfs.stats";
+
 /// Adapts a [`Fs`] to fuser's `Filesystem` trait.
 pub struct FuseFs {
     fs: Arc<Fs>,
@@ -537,7 +541,12 @@ impl Filesystem for FuseFs {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        match self.fs.getxattr(to_ino(ino), name.as_bytes()) {
+        let r = if ino.0 == 1 && name.as_bytes() == STATS_XATTR.as_bytes() {
+            Ok(self.fs.stats().to_json().into_bytes())
+        } else {
+            self.fs.getxattr(to_ino(ino), name.as_bytes())
+        };
+        match r {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
             Ok(v) => reply.data(&v),

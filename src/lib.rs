@@ -29,4 +29,4 @@ pub use fs::{
     Attr, Creds, DirEntryOut, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr,
     StatFs, TimeSet, ROOT_INO,
 };
-pub use stats::{Stats, StatsSnapshot};
+pub use stats::{Histogram, LatencySummary, Stats, StatsSnapshot};

@@ -66,6 +66,14 @@ enum Cmd {
         /// Image file or block device
         image: PathBuf,
     },
+    /// Print the statistics of a mounted birchfs
+    Stats {
+        /// Print JSON instead of a table
+        #[arg(long)]
+        json: bool,
+        /// The mountpoint
+        mountpoint: PathBuf,
+    },
     /// Print the trees of IMAGE
     Dump {
         /// Only this tree: root, extent, fs, csum
@@ -305,6 +313,62 @@ fn mount_serve(
     Ok(())
 }
 
+fn read_stats(mountpoint: &Path) -> Result<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let p = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
+    let n = std::ffi::CString::new(birchfs::fuse::STATS_XATTR)?;
+    let mut buf = vec![0u8; 1 << 16];
+    // SAFETY: valid C strings and a buffer of the given length.
+    let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        bail!(
+            "{} is not a birchfs mountpoint ({})",
+            mountpoint.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    buf.truncate(r as usize);
+    Ok(String::from_utf8(buf)?)
+}
+
+/// Renders the stats JSON as `key value` lines, flattening nested objects.
+fn stats_table(json: &str) -> String {
+    let mut out = String::new();
+    let mut path: Vec<String> = Vec::new();
+    let mut key = String::new();
+    let mut tok = String::new();
+    let mut in_str = false;
+    for c in json.chars() {
+        match c {
+            '"' => in_str = !in_str,
+            _ if in_str => tok.push(c),
+            ':' => key = std::mem::take(&mut tok),
+            '{' => {
+                if !key.is_empty() {
+                    path.push(std::mem::take(&mut key));
+                }
+            }
+            ',' | '}' => {
+                if !key.is_empty() {
+                    let mut name = path.join(".");
+                    if !name.is_empty() {
+                        name.push('.');
+                    }
+                    name.push_str(&key);
+                    out.push_str(&format!("{name:<28} {}\n", tok.trim()));
+                    key.clear();
+                }
+                tok.clear();
+                if c == '}' {
+                    path.pop();
+                }
+            }
+            _ => tok.push(c),
+        }
+    }
+    out
+}
+
 fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
     match cli.cmd {
@@ -370,6 +434,14 @@ fn run() -> Result<ExitCode> {
                     }
                 }
             });
+        }
+        Cmd::Stats { json, mountpoint } => {
+            let raw = read_stats(&mountpoint)?;
+            if json {
+                println!("{raw}");
+            } else {
+                print!("{}", stats_table(&raw));
+            }
         }
         Cmd::Dump { tree, image } => {
             init_logging(None)?;

@@ -23,6 +23,14 @@ pub struct Stats {
     pub dev_log_bytes: AtomicU64,
     /// Device flushes.
     pub flushes: AtomicU64,
+    /// Commits of the fsync log (group commits).
+    pub log_commits: AtomicU64,
+    /// fsyncs the log could not serve, done as full commits.
+    pub fallbacks: AtomicU64,
+    /// fsync latency.
+    pub fsync_latency: Histogram,
+    /// Full commit latency.
+    pub commit_latency: Histogram,
 }
 
 impl Stats {
@@ -43,12 +51,16 @@ impl Stats {
             dev_super_bytes: g(&self.dev_super_bytes),
             dev_log_bytes: g(&self.dev_log_bytes),
             flushes: g(&self.flushes),
+            log_commits: g(&self.log_commits),
+            fallbacks: g(&self.fallbacks),
+            fsync_latency: self.fsync_latency.summary(),
+            commit_latency: self.commit_latency.summary(),
         }
     }
 }
 
 /// A copy of the counters at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StatsSnapshot {
     /// See [`Stats::fsyncs`].
     pub fsyncs: u64,
@@ -68,4 +80,219 @@ pub struct StatsSnapshot {
     pub dev_log_bytes: u64,
     /// See [`Stats::flushes`].
     pub flushes: u64,
+    /// See [`Stats::log_commits`].
+    pub log_commits: u64,
+    /// See [`Stats::fallbacks`].
+    pub fallbacks: u64,
+    /// See [`Stats::fsync_latency`].
+    pub fsync_latency: LatencySummary,
+    /// See [`Stats::commit_latency`].
+    pub commit_latency: LatencySummary,
+}
+
+/// Buckets of a latency histogram: bucket i counts latencies in [2^i, 2^(i+1)) µs.
+const BUCKETS: usize = 40;
+
+/// A log-scale latency histogram in microseconds (like seed 4's htree_insert table).
+#[derive(Debug)]
+pub struct Histogram {
+    buckets: [AtomicU64; BUCKETS],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+    max_ns: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+            max_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Summary of a histogram: count, mean and percentiles in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LatencySummary {
+    /// Samples.
+    pub count: u64,
+    /// Mean.
+    pub mean: f64,
+    /// Median (upper edge of its bucket, capped at max).
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest sample.
+    pub max: f64,
+}
+
+impl Histogram {
+    /// Records one latency.
+    pub fn record(&self, d: std::time::Duration) {
+        let ns = d.as_nanos().min(u64::MAX as u128) as u64;
+        let us = ns / 1000;
+        let b = (64 - us.leading_zeros() as usize).min(BUCKETS - 1);
+        self.buckets[b].fetch_add(1, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.max_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    /// Count, mean and percentiles.
+    pub fn summary(&self) -> LatencySummary {
+        let counts: Vec<u64> = self
+            .buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect();
+        let n: u64 = counts.iter().sum();
+        if n == 0 {
+            return LatencySummary::default();
+        }
+        let max = self.max_ns.load(Ordering::Relaxed) as f64 / 1000.0;
+        let pct = |p: f64| {
+            let want = ((n as f64) * p).ceil().max(1.0) as u64;
+            let mut seen = 0;
+            for (i, c) in counts.iter().enumerate() {
+                seen += c;
+                if seen >= want {
+                    // bucket i holds [2^(i-1), 2^i) µs (bucket 0: below 1 µs)
+                    return ((1u64 << i) as f64).min(max);
+                }
+            }
+            max
+        };
+        LatencySummary {
+            count: n,
+            mean: self.sum_ns.load(Ordering::Relaxed) as f64 / n as f64 / 1000.0,
+            p50: pct(0.5),
+            p90: pct(0.9),
+            p99: pct(0.99),
+            max,
+        }
+    }
+}
+
+impl LatencySummary {
+    fn json(&self) -> String {
+        format!(
+            "{{\"count\":{},\"mean\":{:.1},\"p50\":{:.1},\"p90\":{:.1},\"p99\":{:.1},\"max\":{:.1}}}",
+            self.count, self.mean, self.p50, self.p90, self.p99, self.max
+        )
+    }
+}
+
+impl StatsSnapshot {
+    /// Bytes written to the device, all kinds.
+    pub fn device_total(&self) -> u64 {
+        self.dev_data_bytes + self.dev_meta_bytes + self.dev_super_bytes + self.dev_log_bytes
+    }
+
+    /// The JSON object `birchfs stats --json` prints.
+    pub fn to_json(&self) -> String {
+        format!(
+            concat!(
+                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"log_commits\":{},\"full_commits\":{},",
+                "\"fallbacks\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
+                "\"superblock\":{},\"device_total\":{}}},\"flushes\":{},",
+                "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
+            ),
+            self.fsyncs,
+            self.fsyncs_noop,
+            self.log_commits,
+            self.commits,
+            self.fallbacks,
+            self.user_bytes,
+            self.dev_data_bytes,
+            self.dev_meta_bytes,
+            self.dev_log_bytes,
+            self.dev_super_bytes,
+            self.device_total(),
+            self.flushes,
+            self.fsync_latency.json(),
+            self.commit_latency.json()
+        )
+    }
+
+    /// A human-readable table.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        let row = |s: &mut String, k: &str, v: String| s.push_str(&format!("{k:<22} {v}\n"));
+        row(&mut s, "fsyncs", self.fsyncs.to_string());
+        row(&mut s, "  answered at once", self.fsyncs_noop.to_string());
+        row(&mut s, "log commits", self.log_commits.to_string());
+        row(&mut s, "full commits", self.commits.to_string());
+        row(&mut s, "log fallbacks", self.fallbacks.to_string());
+        row(
+            &mut s,
+            "bytes written by users",
+            self.user_bytes.to_string(),
+        );
+        row(
+            &mut s,
+            "device bytes: data",
+            self.dev_data_bytes.to_string(),
+        );
+        row(
+            &mut s,
+            "device bytes: metadata",
+            self.dev_meta_bytes.to_string(),
+        );
+        row(&mut s, "device bytes: log", self.dev_log_bytes.to_string());
+        row(
+            &mut s,
+            "device bytes: super",
+            self.dev_super_bytes.to_string(),
+        );
+        row(&mut s, "device flushes", self.flushes.to_string());
+        for (name, l) in [
+            ("fsync", &self.fsync_latency),
+            ("commit", &self.commit_latency),
+        ] {
+            row(
+                &mut s,
+                &format!("{name} latency (µs)"),
+                format!(
+                    "n={} mean={:.0} p50={:.0} p90={:.0} p99={:.0} max={:.0}",
+                    l.count, l.mean, l.p50, l.p90, l.p99, l.max
+                ),
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn histogram_percentiles_fall_in_the_right_buckets() {
+        let h = Histogram::default();
+        for _ in 0..90 {
+            h.record(Duration::from_micros(100));
+        }
+        for _ in 0..10 {
+            h.record(Duration::from_millis(10));
+        }
+        let s = h.summary();
+        assert_eq!(s.count, 100);
+        assert!((64.0..=128.0).contains(&s.p50), "{s:?}");
+        assert!((8192.0..=16384.0).contains(&s.p99), "{s:?}");
+        assert_eq!(s.max, 10_000.0);
+        assert!((s.mean - 1090.0).abs() < 1.0);
+        let j = StatsSnapshot {
+            fsyncs: 3,
+            fsync_latency: s,
+            ..Default::default()
+        }
+        .to_json();
+        assert!(j.starts_with("{\"fsyncs\":3,"), "{j}");
+        assert!(j.contains("\"p99\":"), "{j}");
+    }
 }

@@ -203,6 +203,7 @@ impl Fs {
     /// Makes everything done so far durable (a full commit).
     pub fn commit(&self) -> Result<()> {
         let _c = self.commit_lock.lock();
+        let t0 = std::time::Instant::now();
         let batch = {
             let mut g = self.inner.lock();
             if !g.store.has_changes() {
@@ -216,6 +217,7 @@ impl Fs {
             return Err(e);
         }
         self.inner.lock().store.finish_commit(batch);
+        self.stats.commit_latency.record(t0.elapsed());
         Ok(())
     }
 
@@ -225,14 +227,18 @@ impl Fs {
         if self.opts.readonly {
             return Ok(());
         }
+        let t0 = std::time::Instant::now();
         let dirty = self.inner.lock().store.has_changes();
-        if !dirty {
+        let r = if !dirty {
             // A commit that holds commit_lock may still be writing our changes.
             let _c = self.commit_lock.lock();
             Stats::add(&self.stats.fsyncs_noop, 1);
-            return Ok(());
-        }
-        self.commit()
+            Ok(())
+        } else {
+            self.commit()
+        };
+        self.stats.fsync_latency.record(t0.elapsed());
+        r
     }
 
     /// Commits and releases the device; the same as dropping `Fs` but reports errors.
