@@ -843,7 +843,10 @@ pub fn getxattr_sized(p: &Path, name: &str, size: usize) -> io::Result<(usize, V
 pub fn getxattr(p: &Path, name: &str) -> io::Result<Vec<u8>> {
     let (len, _) = getxattr_sized(p, name, 0)?;
     let (got, buf) = getxattr_sized(p, name, len.max(1))?;
-    assert_eq!(got, len, "getxattr {name}: size query said {len}, read gave {got}");
+    assert_eq!(
+        got, len,
+        "getxattr {name}: size query said {len}, read gave {got}"
+    );
     Ok(buf)
 }
 
@@ -868,10 +871,17 @@ pub fn listxattr(p: &Path) -> io::Result<Vec<String>> {
     let got = cvt_size(unsafe {
         libc::listxattr(c.as_ptr(), buf.as_mut_ptr() as *mut libc::c_char, buf.len())
     })?;
-    assert_eq!(got, len, "listxattr: size query said {len}, listing gave {got}");
+    assert_eq!(
+        got, len,
+        "listxattr: size query said {len}, listing gave {got}"
+    );
     buf.truncate(got);
     if !buf.is_empty() {
-        assert_eq!(buf[buf.len() - 1], 0, "listxattr result is not NUL-terminated");
+        assert_eq!(
+            buf[buf.len() - 1],
+            0,
+            "listxattr result is not NUL-terminated"
+        );
     }
     Ok(split_names(&buf))
 }
@@ -909,7 +919,11 @@ pub fn statfs(p: &Path) -> io::Result<libc::statfs> {
 /// Free bytes per statfs (f_bfree in fragment units).
 pub fn free_bytes(p: &Path) -> u64 {
     let s = statfs(p).expect("statfs");
-    let unit = if s.f_frsize > 0 { s.f_frsize as u64 } else { s.f_bsize as u64 };
+    let unit = if s.f_frsize > 0 {
+        s.f_frsize as u64
+    } else {
+        s.f_bsize as u64
+    };
     s.f_bfree as u64 * unit
 }
 
@@ -1080,4 +1094,78 @@ pub fn assert_bytes_eq(actual: &[u8], expected: &[u8], base: u64, what: &str) {
             show(expected)
         );
     }
+}
+
+/// True when every byte is zero (compares 4 KiB at a time with memcmp).
+pub fn is_zero(b: &[u8]) -> bool {
+    const Z: [u8; 4096] = [0; 4096];
+    b.chunks(4096).all(|c| c == &Z[..c.len()])
+}
+
+/// Sorted names in a directory (std::fs::read_dir, so without "." and
+/// ".."); panics if readdir returns a name twice.
+#[track_caller]
+pub fn list_dir(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("read_dir {}: {}", dir.display(), e))
+        .map(|e| {
+            e.expect("readdir entry")
+                .file_name()
+                .into_string()
+                .expect("non-UTF-8 name")
+        })
+        .collect();
+    let n = v.len();
+    v.sort();
+    v.dedup();
+    assert_eq!(
+        v.len(),
+        n,
+        "readdir of {} returned duplicates",
+        dir.display()
+    );
+    v
+}
+
+/// d_ino of `name` as readdir(3) reports it in `dir`.
+#[track_caller]
+pub fn dirent_ino(dir: &Path, name: &str) -> u64 {
+    let ents = readdir_raw(dir).unwrap_or_else(|e| panic!("readdir {}: {}", dir.display(), e));
+    let hits: Vec<&RawDirent> = ents.iter().filter(|e| e.name == name.as_bytes()).collect();
+    assert_eq!(
+        hits.len(),
+        1,
+        "readdir of {} has {} entries named {:?}",
+        dir.display(),
+        hits.len(),
+        name
+    );
+    hits[0].ino
+}
+
+/// Current wall-clock time as (sec, nsec).
+pub fn now() -> (i64, i64) {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock before 1970");
+    (d.as_secs() as i64, d.subsec_nanos() as i64)
+}
+
+pub fn ns(t: (i64, i64)) -> i128 {
+    t.0 as i128 * 1_000_000_000 + t.1 as i128
+}
+
+/// Asserts lo - 1 s <= t <= hi + 1 s (kernel and daemon clocks may be
+/// coarse; this catches zero or garbage timestamps, not jitter).
+#[track_caller]
+pub fn assert_time_near(t: (i64, i64), lo: (i64, i64), hi: (i64, i64), what: &str) {
+    let slack = 1_000_000_000i128;
+    assert!(
+        ns(t) >= ns(lo) - slack && ns(t) <= ns(hi) + slack,
+        "{}: timestamp {:?} not within [{:?}, {:?}] (+-1 s)",
+        what,
+        t,
+        lo,
+        hi
+    );
 }

@@ -1,0 +1,762 @@
+//! Power-cut tests: run a workload on the crash-recording device, rebuild every image a
+//! power cut could leave (each flush point; for the writes between two flushes, in-order
+//! prefixes, random subsets and torn multi-block writes), and for each image: check it,
+//! mount it, and compare with what had been fsynced.
+//!
+//! The oracle: after fsync(file) returned, the file's data and attributes as of that
+//! fsync (or any later version of them) and the name it was fsynced under (unless a
+//! later operation moved that name) survive; after fsync(dir) returned, its entries
+//! survive, and the names it no longer had stay gone (unless later operations changed
+//! them again).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use birchfs::dev::{CrashDev, CrashOp, MemDev};
+use birchfs::{Creds, FallocMode, Fs, MkfsOptions, Options, RenameFlags, SetAttr};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Create(String),
+    Mkdir(String),
+    Write(String, u64, usize, u8),
+    Truncate(String, u64),
+    Punch(String, u64, u64),
+    Falloc(String, u64, u64, bool),
+    Link(String, String),
+    Unlink(String),
+    Rmdir(String),
+    Rename(String, String),
+    SetXattr(String, &'static str, Vec<u8>),
+    RemoveXattr(String, &'static str),
+    Chmod(String, u32),
+    Fsync(String),
+    Sync,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Node {
+    dir: bool,
+    data: Vec<u8>,
+    mode: u32,
+    xattrs: BTreeMap<String, Vec<u8>>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Model {
+    names: BTreeMap<String, u64>,
+    nodes: BTreeMap<u64, Node>,
+    next: u64,
+}
+
+impl Model {
+    fn new() -> Model {
+        let mut m = Model::default();
+        m.nodes.insert(
+            0,
+            Node {
+                dir: true,
+                data: vec![],
+                mode: 0o755,
+                xattrs: BTreeMap::new(),
+            },
+        );
+        m.names.insert("/".into(), 0);
+        m
+    }
+    fn parent(p: &str) -> String {
+        match p.rfind('/') {
+            Some(0) => "/".into(),
+            Some(i) => p[..i].into(),
+            None => "/".into(),
+        }
+    }
+    fn children(&self, dir: &str) -> BTreeMap<String, u64> {
+        self.names
+            .iter()
+            .filter(|(p, _)| *p != "/" && Model::parent(p) == dir)
+            .map(|(p, id)| (p.rsplit('/').next().unwrap().to_string(), *id))
+            .collect()
+    }
+    fn is_dir(&self, p: &str) -> bool {
+        self.names.get(p).is_some_and(|id| self.nodes[id].dir)
+    }
+    fn is_file(&self, p: &str) -> bool {
+        self.names.get(p).is_some_and(|id| !self.nodes[id].dir)
+    }
+    /// Whether `op` is valid in this state (generated workloads skip the others).
+    fn valid(&self, op: &Op) -> bool {
+        let free = |p: &String| !self.names.contains_key(p) && self.is_dir(&Model::parent(p));
+        match op {
+            Op::Create(p) | Op::Mkdir(p) => free(p),
+            Op::Write(p, ..) | Op::Truncate(p, _) | Op::Punch(p, ..) | Op::Falloc(p, ..) => {
+                self.is_file(p)
+            }
+            Op::Link(a, b) => self.is_file(a) && free(b),
+            Op::Unlink(p) => self.is_file(p),
+            Op::Rmdir(p) => p != "/" && self.is_dir(p) && self.children(p).is_empty(),
+            Op::Rename(a, b) => self.is_file(a) && (free(b) || self.is_file(b)) && a != b,
+            Op::SetXattr(p, ..) | Op::Chmod(p, _) | Op::Fsync(p) => self.names.contains_key(p),
+            Op::RemoveXattr(p, n) => self
+                .names
+                .get(p)
+                .is_some_and(|id| self.nodes[id].xattrs.contains_key(*n)),
+            Op::Sync => true,
+        }
+    }
+    fn apply(&mut self, op: &Op) {
+        let new = |m: &mut Model, p: &str, dir: bool| {
+            m.next += 1;
+            let mode = if dir { 0o755 } else { 0o644 };
+            m.nodes.insert(
+                m.next,
+                Node {
+                    dir,
+                    data: vec![],
+                    mode,
+                    xattrs: BTreeMap::new(),
+                },
+            );
+            m.names.insert(p.to_string(), m.next);
+        };
+        match op {
+            Op::Create(p) => new(self, p, false),
+            Op::Mkdir(p) => new(self, p, true),
+            Op::Write(p, off, len, b) => {
+                let d = &mut self.nodes.get_mut(&self.names[p]).unwrap().data;
+                let end = *off as usize + len;
+                if d.len() < end {
+                    d.resize(end, 0);
+                }
+                d[*off as usize..end].fill(*b);
+            }
+            Op::Truncate(p, s) => self
+                .nodes
+                .get_mut(&self.names[p])
+                .unwrap()
+                .data
+                .resize(*s as usize, 0),
+            Op::Punch(p, off, len) => {
+                let d = &mut self.nodes.get_mut(&self.names[p]).unwrap().data;
+                let s = (*off as usize).min(d.len());
+                let e = ((off + len) as usize).min(d.len());
+                d[s..e].fill(0);
+            }
+            Op::Falloc(p, off, len, keep) => {
+                let d = &mut self.nodes.get_mut(&self.names[p]).unwrap().data;
+                if !keep && d.len() < (off + len) as usize {
+                    d.resize((off + len) as usize, 0);
+                }
+            }
+            Op::Link(a, b) => {
+                let id = self.names[a];
+                self.names.insert(b.clone(), id);
+            }
+            Op::Unlink(p) | Op::Rmdir(p) => {
+                self.names.remove(p);
+            }
+            Op::Rename(a, b) => {
+                let id = self.names.remove(a).unwrap();
+                self.names.insert(b.clone(), id);
+            }
+            Op::SetXattr(p, n, v) => {
+                self.nodes
+                    .get_mut(&self.names[p])
+                    .unwrap()
+                    .xattrs
+                    .insert(n.to_string(), v.clone());
+            }
+            Op::RemoveXattr(p, n) => {
+                self.nodes
+                    .get_mut(&self.names[p])
+                    .unwrap()
+                    .xattrs
+                    .remove(*n);
+            }
+            Op::Chmod(p, m) => self.nodes.get_mut(&self.names[p]).unwrap().mode = *m,
+            Op::Fsync(_) | Op::Sync => {}
+        }
+        let live: std::collections::BTreeSet<u64> = self.names.values().copied().collect();
+        self.nodes.retain(|id, _| live.contains(id));
+    }
+}
+
+#[derive(Debug)]
+enum Promise {
+    File { id: u64, path: String },
+    Dir { path: String },
+}
+
+struct Run {
+    ops: Vec<Op>,
+    /// Model after each op (index i: after ops[..=i]).
+    history: Vec<Model>,
+    /// (device op count when the fsync returned, op index, what it promised)
+    promises: Vec<(usize, usize, Promise)>,
+}
+
+fn split(p: &str) -> (String, &[u8]) {
+    (Model::parent(p), p.rsplit('/').next().unwrap().as_bytes())
+}
+
+fn exec(fs: &Fs, op: &Op) {
+    let cr = Creds::default();
+    let ino = |p: &str| {
+        fs.resolve(p)
+            .unwrap_or_else(|e| panic!("resolve {p}: {e}"))
+            .ino
+    };
+    match op {
+        Op::Create(p) => {
+            let (d, n) = split(p);
+            fs.mknod(ino(&d), n, 0o644, 0, cr).unwrap();
+        }
+        Op::Mkdir(p) => {
+            let (d, n) = split(p);
+            fs.mkdir(ino(&d), n, 0o755, cr).unwrap();
+        }
+        Op::Write(p, off, len, b) => {
+            fs.write(ino(p), *off, &vec![*b; *len]).unwrap();
+        }
+        Op::Truncate(p, s) => {
+            fs.setattr(
+                ino(p),
+                &SetAttr {
+                    size: Some(*s),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        }
+        Op::Punch(p, off, len) => {
+            fs.fallocate(
+                ino(p),
+                *off,
+                *len,
+                FallocMode {
+                    keep_size: true,
+                    punch_hole: true,
+                },
+            )
+            .unwrap();
+        }
+        Op::Falloc(p, off, len, keep) => {
+            fs.fallocate(
+                ino(p),
+                *off,
+                *len,
+                FallocMode {
+                    keep_size: *keep,
+                    punch_hole: false,
+                },
+            )
+            .unwrap();
+        }
+        Op::Link(a, b) => {
+            let (d, n) = split(b);
+            fs.link(ino(a), ino(&d), n).unwrap();
+        }
+        Op::Unlink(p) => {
+            let (d, n) = split(p);
+            fs.unlink(ino(&d), n).unwrap();
+        }
+        Op::Rmdir(p) => {
+            let (d, n) = split(p);
+            fs.rmdir(ino(&d), n).unwrap();
+        }
+        Op::Rename(a, b) => {
+            let (da, na) = split(a);
+            let (db, nb) = split(b);
+            fs.rename(ino(&da), na, ino(&db), nb, RenameFlags::default())
+                .unwrap();
+        }
+        Op::SetXattr(p, n, v) => fs.setxattr(ino(p), n.as_bytes(), v, false, false).unwrap(),
+        Op::RemoveXattr(p, n) => fs.removexattr(ino(p), n.as_bytes()).unwrap(),
+        Op::Chmod(p, m) => {
+            fs.setattr(
+                ino(p),
+                &SetAttr {
+                    mode: Some(*m),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        }
+        Op::Fsync(p) => fs.fsync(ino(p), false).unwrap(),
+        Op::Sync => fs.commit().unwrap(),
+    }
+}
+
+fn base_image() -> Vec<u8> {
+    let dev = Arc::new(MemDev::new(32 << 20));
+    Fs::mkfs(
+        dev.clone(),
+        &MkfsOptions {
+            node_size: Some(4096),
+        },
+    )
+    .unwrap();
+    dev.image()
+}
+
+/// Runs `ops` on a crash-recording device; returns the device and the record.
+fn record(base: &[u8], ops: Vec<Op>) -> (Arc<CrashDev>, Run) {
+    let dev = Arc::new(CrashDev::new(base.to_vec()));
+    let fs = Fs::open(
+        dev.clone(),
+        Options {
+            commit_interval: std::time::Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut m = Model::new();
+    let mut run = Run {
+        ops: ops.clone(),
+        history: Vec::new(),
+        promises: Vec::new(),
+    };
+    for (i, op) in ops.iter().enumerate() {
+        exec(&fs, op);
+        m.apply(op);
+        if let Op::Fsync(p) = op {
+            let id = m.names[p];
+            let pr = if m.nodes[&id].dir {
+                Promise::Dir { path: p.clone() }
+            } else {
+                Promise::File {
+                    id,
+                    path: p.clone(),
+                }
+            };
+            run.promises.push((dev.op_count(), i, pr));
+        }
+        run.history.push(m.clone());
+    }
+    drop(fs);
+    (dev, run)
+}
+
+fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
+    let dev = Arc::new(MemDev::from_image(image));
+    let rep =
+        birchfs::check::check(dev.as_ref()).unwrap_or_else(|e| panic!("{what}: unreadable: {e}"));
+    assert!(
+        rep.problems.is_empty(),
+        "{what}: check: {:#?}\nops: {:?}",
+        rep.problems,
+        run.ops
+    );
+    let fs = Fs::open(dev, Options::default()).unwrap_or_else(|e| panic!("{what}: mount: {e}"));
+    for (ret, i, pr) in &run.promises {
+        if *ret > flushed_upto {
+            continue;
+        }
+        let later = &run.history[*i..];
+        match pr {
+            Promise::File { id, path } => {
+                let stable = later.iter().all(|m| m.names.get(path) == Some(id));
+                let Ok(a) = fs.resolve(path) else {
+                    assert!(
+                        !stable,
+                        "{what}: fsynced {path} (op {i}) is gone\nops: {:?}",
+                        run.ops
+                    );
+                    continue;
+                };
+                if !stable {
+                    continue;
+                }
+                let data = fs
+                    .read(a.ino, 0, (a.size as u32).max(1))
+                    .unwrap_or_else(|e| panic!("{what}: read {path}: {e}"));
+                let mut xs = BTreeMap::new();
+                for n in fs.listxattr(a.ino).unwrap() {
+                    let v = fs.getxattr(a.ino, &n).unwrap();
+                    xs.insert(String::from_utf8(n).unwrap(), v);
+                }
+                let ok = later
+                    .iter()
+                    .filter_map(|m| m.nodes.get(id))
+                    .any(|n| n.data == data && n.mode == a.perm as u32 && n.xattrs == xs);
+                assert!(
+                    ok,
+                    "{what}: {path} (fsynced at op {i}) has {} bytes, mode {:o}, xattrs {:?}: no version since the fsync matches\nops: {:?}",
+                    data.len(), a.perm, xs.keys().collect::<Vec<_>>(), run.ops
+                );
+            }
+            Promise::Dir { path } => {
+                let then = later[0].children(path);
+                let Ok(d) = fs.resolve(path) else {
+                    assert!(
+                        later.iter().any(|m| !m.names.contains_key(path)),
+                        "{what}: fsynced dir {path} gone"
+                    );
+                    continue;
+                };
+                let mut now = std::collections::BTreeSet::new();
+                for e in fs.readdir(d.ino, 0, 100_000).unwrap() {
+                    now.insert(String::from_utf8(e.name).unwrap());
+                }
+                for (name, id) in &then {
+                    let full = if path == "/" {
+                        format!("/{name}")
+                    } else {
+                        format!("{path}/{name}")
+                    };
+                    let stable = later.iter().all(|m| m.names.get(&full) == Some(id));
+                    assert!(
+                        !stable || now.contains(name),
+                        "{what}: entry {full} of fsynced dir lost\nops: {:?}",
+                        run.ops
+                    );
+                }
+                for name in &now {
+                    if name == "." || name == ".." || then.contains_key(name) {
+                        continue;
+                    }
+                    let full = if path == "/" {
+                        format!("/{name}")
+                    } else {
+                        format!("{path}/{name}")
+                    };
+                    let ever = later.iter().any(|m| m.names.contains_key(&full));
+                    assert!(
+                        ever,
+                        "{what}: {full} was removed before the dir fsync but is back\nops: {:?}",
+                        run.ops
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Rebuilds and verifies the crash states of one recorded run; returns how many.
+fn crash_states(dev: &CrashDev, run: &Run, rng: &mut StdRng, per_gap: usize) -> usize {
+    let ops = dev.ops();
+    let mut bases = vec![0];
+    bases.extend(dev.flush_points());
+    let mut n = 0;
+    for (bi, &b) in bases.iter().enumerate() {
+        let end = bases.get(bi + 1).map(|e| e - 1).unwrap_or(ops.len());
+        let tail: Vec<(u64, &[u8])> = ops[b..end]
+            .iter()
+            .filter_map(|o| match o {
+                CrashOp::Write { off, data } => Some((*off, data.as_slice())),
+                CrashOp::Flush => None,
+            })
+            .collect();
+        verify(dev.image_with(b, &[]), run, b, &format!("flush point {b}"));
+        n += 1;
+        if tail.is_empty() {
+            continue;
+        }
+        // in-order prefixes
+        let step = (tail.len() / per_gap).max(1);
+        for k in (1..=tail.len()).step_by(step) {
+            verify(
+                dev.image_with(b, &tail[..k]),
+                run,
+                b,
+                &format!("prefix {k} after {b}"),
+            );
+            n += 1;
+        }
+        // random subsets (the device may reorder before a flush)
+        for s in 0..per_gap {
+            let pick: Vec<(u64, &[u8])> =
+                tail.iter().copied().filter(|_| rng.gen_bool(0.5)).collect();
+            verify(
+                dev.image_with(b, &pick),
+                run,
+                b,
+                &format!("subset {s} after {b}"),
+            );
+            n += 1;
+        }
+        // torn writes: a multi-block write keeps only some of its 4 KiB blocks
+        let multi: Vec<usize> = (0..tail.len())
+            .filter(|&i| tail[i].1.len() > 4096)
+            .collect();
+        for s in 0..per_gap.min(multi.len() * 2) {
+            let t = multi[rng.gen_range(0..multi.len())];
+            let mut pick: Vec<(u64, &[u8])> = tail[..t]
+                .iter()
+                .copied()
+                .filter(|_| rng.gen_bool(0.7))
+                .collect();
+            let (off, data) = tail[t];
+            for (j, blk) in data.chunks(4096).enumerate() {
+                if rng.gen_bool(0.5) {
+                    pick.push((off + j as u64 * 4096, blk));
+                }
+            }
+            verify(
+                dev.image_with(b, &pick),
+                run,
+                b,
+                &format!("torn write {s} after {b}"),
+            );
+            n += 1;
+        }
+    }
+    n
+}
+
+fn s(x: &str) -> String {
+    x.to_string()
+}
+
+/// The known hard cases of the btrfs and ext4 fsync tests in xfstests.
+fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
+    use Op::*;
+    vec![
+        (
+            "fsync after rename",
+            vec![
+                Create(s("/a")),
+                Write(s("/a"), 0, 9000, 1),
+                Fsync(s("/a")),
+                Rename(s("/a"), s("/b")),
+                Fsync(s("/b")),
+                Write(s("/b"), 100, 10, 2),
+            ],
+        ),
+        (
+            "link and unlink",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/a")),
+                Write(s("/a"), 0, 5000, 3),
+                Fsync(s("/a")),
+                Link(s("/a"), s("/d/b")),
+                Fsync(s("/a")),
+                Unlink(s("/a")),
+                Fsync(s("/d/b")),
+                Fsync(s("/")),
+            ],
+        ),
+        (
+            "truncate",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 65536, 4),
+                Fsync(s("/f")),
+                Truncate(s("/f"), 5000),
+                Fsync(s("/f")),
+                Truncate(s("/f"), 100_000),
+                Fsync(s("/f")),
+            ],
+        ),
+        (
+            "punch hole",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 65536, 5),
+                Fsync(s("/f")),
+                Punch(s("/f"), 4096, 20000),
+                Fsync(s("/f")),
+                Punch(s("/f"), 100, 50),
+                Fsync(s("/f")),
+            ],
+        ),
+        (
+            "new file in new dir",
+            vec![
+                Mkdir(s("/d")),
+                Mkdir(s("/d/e")),
+                Create(s("/d/e/f")),
+                Write(s("/d/e/f"), 0, 3000, 6),
+                Fsync(s("/d/e/f")),
+            ],
+        ),
+        (
+            "dir fsync after create and delete",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Create(s("/d/b")),
+                Fsync(s("/d")),
+                Unlink(s("/d/a")),
+                Create(s("/d/c")),
+                Fsync(s("/d")),
+                Create(s("/d/z")),
+            ],
+        ),
+        (
+            "rename over existing",
+            vec![
+                Create(s("/a")),
+                Write(s("/a"), 0, 4096, 7),
+                Fsync(s("/a")),
+                Create(s("/b")),
+                Write(s("/b"), 0, 8192, 8),
+                Fsync(s("/b")),
+                Rename(s("/b"), s("/a")),
+                Fsync(s("/a")),
+            ],
+        ),
+        (
+            "write-fsync-rename-fsync dir",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 10000, 9),
+                Fsync(s("/f")),
+                Fsync(s("/")),
+                Create(s("/f.tmp")),
+                Write(s("/f.tmp"), 0, 12000, 10),
+                Fsync(s("/f.tmp")),
+                Rename(s("/f.tmp"), s("/f")),
+                Fsync(s("/")),
+            ],
+        ),
+        (
+            "xattr changes",
+            vec![
+                Create(s("/a")),
+                SetXattr(s("/a"), "user.x", vec![1; 100]),
+                Fsync(s("/a")),
+                RemoveXattr(s("/a"), "user.x"),
+                SetXattr(s("/a"), "user.y", vec![2; 3000]),
+                Fsync(s("/a")),
+                Chmod(s("/a"), 0o600),
+                Fsync(s("/a")),
+            ],
+        ),
+        (
+            "fallocate beyond EOF",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 4096, 11),
+                Falloc(s("/f"), 0, 1 << 20, true),
+                Fsync(s("/f")),
+                Falloc(s("/f"), 0, 2 << 20, false),
+                Fsync(s("/f")),
+                Write(s("/f"), 1 << 20, 4096, 12),
+                Fsync(s("/f")),
+            ],
+        ),
+        (
+            "hard links across dirs",
+            vec![
+                Mkdir(s("/x")),
+                Mkdir(s("/y")),
+                Create(s("/x/a")),
+                Write(s("/x/a"), 0, 6000, 13),
+                Link(s("/x/a"), s("/y/b")),
+                Fsync(s("/y/b")),
+                Unlink(s("/x/a")),
+                Fsync(s("/x")),
+                Fsync(s("/y/b")),
+            ],
+        ),
+        (
+            "large overwrite",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 1 << 20, 14),
+                Fsync(s("/f")),
+                Write(s("/f"), 300_000, 100_000, 15),
+                Fsync(s("/f")),
+                Sync,
+                Write(s("/f"), 0, 5, 16),
+            ],
+        ),
+    ]
+}
+
+fn long() -> bool {
+    std::env::var("BIRCHFS_LONG").is_ok()
+}
+
+#[test]
+fn known_hard_cases_survive_every_power_cut() {
+    let base = base_image();
+    let mut rng = StdRng::seed_from_u64(1);
+    let per_gap = if long() { 24 } else { 6 };
+    let mut total = 0;
+    for (name, ops) in hard_cases() {
+        let (dev, run) = record(&base, ops);
+        let n = crash_states(&dev, &run, &mut rng, per_gap);
+        eprintln!("{name}: {n} crash states");
+        total += n;
+    }
+    eprintln!("hard cases: {total} crash states checked");
+    assert!(total > 200, "too few crash states: {total}");
+}
+
+/// CrashMonkey ACE-style: sequences of up to 4 operations on a small name space, each
+/// ending in an fsync of something it touched.
+#[test]
+fn generated_sequences_survive_every_power_cut() {
+    let base = base_image();
+    let mut rng = StdRng::seed_from_u64(2);
+    let seqs = if long() { 400 } else { 40 };
+    let per_gap = if long() { 8 } else { 3 };
+    let files = ["/a", "/b", "/d/a", "/d/c"];
+    let mut total = 0;
+    for _ in 0..seqs {
+        let mut m = Model::new();
+        let mut ops = vec![
+            Op::Mkdir(s("/d")),
+            Op::Create(s("/a")),
+            Op::Write(s("/a"), 0, 6000, 1),
+            Op::Sync,
+        ];
+        for op in &ops {
+            m.apply(op);
+        }
+        let mut tries = 0;
+        let mut added = 0;
+        while added < rng.gen_range(1..=4) && tries < 100 {
+            tries += 1;
+            let f = s(files[rng.gen_range(0..files.len())]);
+            let g = s(files[rng.gen_range(0..files.len())]);
+            let op = match rng.gen_range(0..10) {
+                0 => Op::Create(f),
+                1 => Op::Write(
+                    f,
+                    rng.gen_range(0..20000),
+                    rng.gen_range(1..20000),
+                    rng.gen(),
+                ),
+                2 => Op::Truncate(f, rng.gen_range(0..20000)),
+                3 => Op::Link(f, g),
+                4 => Op::Unlink(f),
+                5 => Op::Rename(f, g),
+                6 => Op::Punch(f, rng.gen_range(0..20000), rng.gen_range(1..10000)),
+                7 => Op::SetXattr(f, "user.k", vec![rng.gen(); 40]),
+                8 => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
+                _ => Op::Rmdir(s("/d")),
+            };
+            if m.valid(&op) {
+                m.apply(&op);
+                let target = match &op {
+                    Op::Link(_, b) | Op::Rename(_, b) => b.clone(),
+                    Op::Create(p)
+                    | Op::Write(p, ..)
+                    | Op::Truncate(p, _)
+                    | Op::Punch(p, ..)
+                    | Op::SetXattr(p, ..)
+                    | Op::Falloc(p, ..) => p.clone(),
+                    _ => s("/d"),
+                };
+                ops.push(op);
+                let fs_target = if rng.gen_bool(0.3) || !m.names.contains_key(&target) {
+                    Model::parent(&target)
+                } else {
+                    target
+                };
+                ops.push(Op::Fsync(fs_target));
+                added += 1;
+            }
+        }
+        let (dev, run) = record(&base, ops);
+        total += crash_states(&dev, &run, &mut rng, per_gap);
+    }
+    eprintln!("generated sequences: {seqs} sequences, {total} crash states checked");
+    assert!(total > 200);
+}

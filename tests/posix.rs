@@ -1,0 +1,2796 @@
+//! POSIX behaviour of a mounted birchfs, checked the way pjdfstest checks it:
+//! exact errno values, link counts, modes, ownership and timestamps.
+//!
+//! Every test makes its own image and mount (tests run in parallel threads)
+//! and ends with `Mount::unmount`, which also runs `birchfs check`.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{
+    symlink, DirBuilderExt, FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt,
+};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use common::*;
+
+const MB: usize = 1 << 20;
+
+// ---------------------------------------------------------------------------
+// open / create / read / write
+// ---------------------------------------------------------------------------
+
+#[test]
+fn create_write_read_close() {
+    let mut m = Mount::new();
+    let um = current_umask();
+    let p = m.path("file");
+    {
+        let mut f = File::create(&p).unwrap();
+        f.write_all(b"hello, world").unwrap();
+    }
+    assert_eq!(fs::read(&p).unwrap(), b"hello, world");
+    let md = stat(&p);
+    assert!(md.is_file());
+    assert_eq!(md.len(), 12);
+    assert_eq!(md.nlink(), 1);
+    assert_eq!((md.uid(), md.gid()), (0, 0));
+    assert_eq!(perm(md.mode()), 0o666 & !um);
+
+    // pwrite in the middle; pread at and past EOF returns 0 bytes
+    {
+        let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+        f.write_all_at(b"WORLD", 7).unwrap();
+        let mut buf = [0u8; 4];
+        assert_eq!(f.read_at(&mut buf, 12).unwrap(), 0);
+        assert_eq!(f.read_at(&mut buf, 100_000).unwrap(), 0);
+        let mut five = [0u8; 5];
+        f.read_exact_at(&mut five, 7).unwrap();
+        assert_eq!(&five, b"WORLD");
+    }
+    // O_APPEND
+    {
+        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(b"!!").unwrap();
+    }
+    assert_eq!(fs::read(&p).unwrap(), b"hello, WORLD!!");
+    // O_TRUNC
+    {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&p)
+            .unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 0);
+        f.write_all(b"xyz").unwrap();
+    }
+    assert_eq!(fs::read(&p).unwrap(), b"xyz");
+    // an explicit creation mode, subject to the umask
+    let q = m.path("moded");
+    drop(
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o640)
+            .open(&q)
+            .unwrap(),
+    );
+    assert_eq!(perm(stat(&q).mode()), 0o640 & !um);
+    // a read-only descriptor refuses writes
+    {
+        let mut f = File::open(&p).unwrap();
+        expect_errno(
+            f.write(b"a"),
+            libc::EBADF,
+            "write on an O_RDONLY descriptor",
+        );
+    }
+    // sequential reads in small pieces
+    {
+        let mut f = File::open(&p).unwrap();
+        let mut one = [0u8; 1];
+        let mut got = Vec::new();
+        while f.read(&mut one).unwrap() == 1 {
+            got.push(one[0]);
+        }
+        assert_eq!(got, b"xyz");
+    }
+    m.remount();
+    assert_eq!(fs::read(&p).unwrap(), b"xyz");
+    assert_eq!(perm(stat(&q).mode()), 0o640 & !um);
+    m.unmount();
+}
+
+#[test]
+fn open_error_cases() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    fs::write(&f, b"x").unwrap();
+    fs::create_dir(m.path("d")).unwrap();
+    symlink("nowhere", m.path("dangling")).unwrap();
+
+    fn excl(p: &Path) -> std::io::Result<File> {
+        OpenOptions::new().write(true).create_new(true).open(p)
+    }
+    expect_errno(excl(&f), libc::EEXIST, "O_CREAT|O_EXCL on an existing file");
+    expect_errno(
+        excl(&m.path("d")),
+        libc::EEXIST,
+        "O_CREAT|O_EXCL on a directory",
+    );
+    expect_errno(
+        excl(&m.path("dangling")),
+        libc::EEXIST,
+        "O_CREAT|O_EXCL on a dangling symlink",
+    );
+    expect_errno(
+        File::open(m.path("missing")),
+        libc::ENOENT,
+        "open a missing file",
+    );
+    expect_errno(
+        File::open(m.path("missing/x")),
+        libc::ENOENT,
+        "open under a missing directory",
+    );
+    expect_errno(
+        File::create(m.path("missing/x")),
+        libc::ENOENT,
+        "create under a missing directory",
+    );
+    expect_errno(
+        File::open(m.path("f/x")),
+        libc::ENOTDIR,
+        "open through a file",
+    );
+    expect_errno(
+        File::create(m.path("f/x")),
+        libc::ENOTDIR,
+        "create through a file",
+    );
+    expect_errno(
+        fs::create_dir(m.path("f/x")),
+        libc::ENOTDIR,
+        "mkdir through a file",
+    );
+    expect_errno(fs::metadata(m.path("f/")), libc::ENOTDIR, "stat file/");
+    expect_errno(
+        OpenOptions::new().write(true).open(m.path("d")),
+        libc::EISDIR,
+        "open a directory for writing",
+    );
+    expect_errno(
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY)
+            .open(&f),
+        libc::ENOTDIR,
+        "O_DIRECTORY on a file",
+    );
+    {
+        let mut d = File::open(m.path("d")).unwrap();
+        let mut buf = [0u8; 8];
+        expect_errno(d.read(&mut buf), libc::EISDIR, "read() on a directory");
+    }
+    assert_eq!(fs::read(&f).unwrap(), b"x");
+    m.unmount();
+}
+
+#[test]
+fn fsync_and_fdatasync_on_files_and_directories() {
+    let mut m = Mount::new();
+    {
+        let mut f = File::create(m.path("f")).unwrap();
+        f.write_all(b"durable").unwrap();
+        f.sync_data().unwrap();
+        f.write_all(b" data").unwrap();
+        f.sync_all().unwrap();
+    }
+    File::open(m.path("f")).unwrap().sync_all().unwrap();
+    fs::create_dir(m.path("d")).unwrap();
+    fs::write(m.path("d/g"), b"in d").unwrap();
+    File::open(m.path("d")).unwrap().sync_all().unwrap();
+    File::open(m.path("d")).unwrap().sync_data().unwrap();
+    File::open(m.root()).unwrap().sync_all().unwrap();
+    m.remount();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"durable data");
+    assert_eq!(fs::read(m.path("d/g")).unwrap(), b"in d");
+    m.unmount();
+}
+
+/// Other tests rely on this: unprivileged users can traverse the root.
+#[test]
+fn fresh_filesystem_root_directory() {
+    let mut m = Mount::new();
+    let s = stat(m.root());
+    assert!(s.is_dir());
+    assert_eq!(perm(s.mode()), 0o755, "mode of a fresh root");
+    assert_eq!((s.uid(), s.gid()), (0, 0), "owner of a fresh root");
+    assert_eq!(s.nlink(), 2, "nlink of an empty root");
+    assert!(list_dir(m.root()).is_empty(), "a fresh root is empty");
+    let raw = readdir_raw(m.root()).unwrap();
+    let mut names: Vec<&[u8]> = raw.iter().map(|e| &e.name[..]).collect();
+    names.sort();
+    assert_eq!(names, vec![&b"."[..], &b".."[..]]);
+    assert_eq!(dirent_ino(m.root(), "."), s.ino());
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// mkdir / rmdir / unlink
+// ---------------------------------------------------------------------------
+
+#[test]
+fn mkdir_rmdir_errors_and_directory_link_counts() {
+    let mut m = Mount::new();
+    let um = current_umask();
+    let root_links = stat(m.root()).nlink();
+    let p = m.path("p");
+    fs::create_dir(&p).unwrap();
+    assert_eq!(
+        stat(m.root()).nlink(),
+        root_links + 1,
+        "mkdir increments the parent's nlink"
+    );
+    let md = stat(&p);
+    assert!(md.is_dir());
+    assert_eq!(md.nlink(), 2, "a new directory has nlink 2");
+    assert_eq!(perm(md.mode()), 0o777 & !um);
+    assert_eq!((md.uid(), md.gid()), (0, 0));
+
+    fs::create_dir(p.join("a")).unwrap();
+    assert_eq!(stat(&p).nlink(), 3);
+    assert_eq!(stat(&p.join("a")).nlink(), 2);
+    fs::create_dir(p.join("b")).unwrap();
+    assert_eq!(stat(&p).nlink(), 4);
+    fs::write(p.join("f"), b"").unwrap();
+    assert_eq!(
+        stat(&p).nlink(),
+        4,
+        "a file does not add a link to its parent"
+    );
+    DirBuilder::new().mode(0o700).create(p.join("c")).unwrap();
+    assert_eq!(perm(stat(&p.join("c")).mode()), 0o700 & !um);
+    assert_eq!(stat(&p).nlink(), 5);
+
+    expect_errno(
+        fs::create_dir(p.join("a")),
+        libc::EEXIST,
+        "mkdir an existing directory",
+    );
+    expect_errno(
+        fs::create_dir(p.join("f")),
+        libc::EEXIST,
+        "mkdir over an existing file",
+    );
+    fs::write(p.join("a/x"), b"x").unwrap();
+    expect_errno(
+        fs::remove_dir(p.join("a")),
+        libc::ENOTEMPTY,
+        "rmdir a non-empty directory",
+    );
+    fs::create_dir(p.join("b/sub")).unwrap();
+    assert_eq!(stat(&p.join("b")).nlink(), 3);
+    expect_errno(
+        fs::remove_dir(p.join("b")),
+        libc::ENOTEMPTY,
+        "rmdir a directory holding an empty directory",
+    );
+    expect_errno(fs::remove_dir(p.join("f")), libc::ENOTDIR, "rmdir a file");
+    expect_errno(
+        fs::remove_file(p.join("a")),
+        libc::EISDIR,
+        "unlink a directory",
+    );
+    expect_errno(
+        fs::remove_dir(p.join("missing")),
+        libc::ENOENT,
+        "rmdir a missing name",
+    );
+    expect_errno(
+        fs::remove_file(p.join("missing")),
+        libc::ENOENT,
+        "unlink a missing name",
+    );
+    expect_errno(fs::remove_dir(p.join("a/.")), libc::EINVAL, "rmdir dir/.");
+
+    m.remount();
+    assert_eq!(stat(&p).nlink(), 5);
+    assert_eq!(stat(&p.join("a")).nlink(), 2);
+    assert_eq!(stat(&p.join("b")).nlink(), 3);
+    assert_eq!(stat(&p.join("c")).nlink(), 2);
+    assert_eq!(stat(m.root()).nlink(), root_links + 1);
+
+    fs::remove_file(p.join("a/x")).unwrap();
+    fs::remove_dir(p.join("a")).unwrap();
+    assert_eq!(stat(&p).nlink(), 4, "rmdir decrements the parent's nlink");
+    fs::remove_dir(p.join("b/sub")).unwrap();
+    assert_eq!(stat(&p.join("b")).nlink(), 2);
+    fs::remove_dir(p.join("b")).unwrap();
+    fs::remove_dir(p.join("c")).unwrap();
+    assert_eq!(stat(&p).nlink(), 2);
+    fs::remove_file(p.join("f")).unwrap();
+    assert!(list_dir(&p).is_empty());
+    fs::remove_dir(&p).unwrap();
+    assert_eq!(stat(m.root()).nlink(), root_links);
+    expect_errno(fs::metadata(&p), libc::ENOENT, "stat a removed directory");
+    m.remount();
+    expect_errno(
+        fs::metadata(&p),
+        libc::ENOENT,
+        "removed directory after remount",
+    );
+    assert_eq!(stat(m.root()).nlink(), root_links);
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// names
+// ---------------------------------------------------------------------------
+
+#[test]
+fn name_length_limits() {
+    let mut m = Mount::new();
+    let n = |c: char, len: usize| c.to_string().repeat(len);
+    let src = m.path("src");
+    fs::write(&src, b"data").unwrap();
+
+    // 255 bytes work for every kind of name
+    fs::write(m.path(n('a', 255)), b"255").unwrap();
+    fs::create_dir(m.path(n('b', 255))).unwrap();
+    symlink("src", m.path(n('c', 255))).unwrap();
+    fs::hard_link(&src, m.path(n('d', 255))).unwrap();
+    fs::write(m.path("tmp"), b"renamed").unwrap();
+    fs::rename(m.path("tmp"), m.path(n('e', 255))).unwrap();
+    mkfifo(&m.path(n('f', 255)), 0o644).unwrap();
+    // 255 bytes of UTF-8 (127 two-byte characters and one byte)
+    let utf8 = format!("{}x", "\u{e9}".repeat(127));
+    assert_eq!(utf8.len(), 255);
+    fs::write(m.path(&utf8), b"utf8").unwrap();
+    fs::create_dir(m.path("sub")).unwrap();
+    fs::write(m.path("sub").join(n('g', 255)), b"in sub").unwrap();
+
+    assert_eq!(fs::read(m.path(n('a', 255))).unwrap(), b"255");
+    assert!(stat(&m.path(n('b', 255))).is_dir());
+    assert_eq!(
+        fs::read_link(m.path(n('c', 255))).unwrap(),
+        PathBuf::from("src")
+    );
+    assert_eq!(stat(&src).nlink(), 2);
+    assert_eq!(fs::read(m.path(n('e', 255))).unwrap(), b"renamed");
+    assert!(lstat(&m.path(n('f', 255))).file_type().is_fifo());
+    assert_eq!(fs::read(m.path(&utf8)).unwrap(), b"utf8");
+
+    let mut expected = vec![
+        "src".to_string(),
+        "sub".to_string(),
+        n('a', 255),
+        n('b', 255),
+        n('c', 255),
+        n('d', 255),
+        n('e', 255),
+        n('f', 255),
+        utf8.clone(),
+    ];
+    expected.sort();
+    assert_eq!(list_dir(m.root()), expected);
+
+    // 256 bytes fail with ENAMETOOLONG
+    expect_errno(
+        File::create(m.path(n('A', 256))),
+        libc::ENAMETOOLONG,
+        "create 256",
+    );
+    expect_errno(
+        fs::create_dir(m.path(n('B', 256))),
+        libc::ENAMETOOLONG,
+        "mkdir 256",
+    );
+    expect_errno(
+        symlink("src", m.path(n('C', 256))),
+        libc::ENAMETOOLONG,
+        "symlink 256",
+    );
+    expect_errno(
+        fs::hard_link(&src, m.path(n('D', 256))),
+        libc::ENAMETOOLONG,
+        "link 256",
+    );
+    expect_errno(
+        fs::rename(&src, m.path(n('E', 256))),
+        libc::ENAMETOOLONG,
+        "rename to 256",
+    );
+    expect_errno(
+        mkfifo(&m.path(n('F', 256)), 0o644),
+        libc::ENAMETOOLONG,
+        "mkfifo 256",
+    );
+    expect_errno(
+        fs::create_dir(m.path("sub").join(n('G', 256))),
+        libc::ENAMETOOLONG,
+        "mkdir 256 in a subdirectory",
+    );
+    expect_errno(
+        fs::symlink_metadata(m.path(n('H', 256))),
+        libc::ENAMETOOLONG,
+        "lstat 256",
+    );
+
+    // nothing changed
+    assert_eq!(fs::read(&src).unwrap(), b"data");
+    assert_eq!(stat(&src).nlink(), 2);
+    assert_eq!(list_dir(m.root()), expected);
+
+    m.remount();
+    assert_eq!(list_dir(m.root()), expected);
+    assert_eq!(list_dir(&m.path("sub")), vec![n('g', 255)]);
+    assert_eq!(fs::read(m.path(n('d', 255))).unwrap(), b"data");
+    assert_eq!(fs::read(m.path(&utf8)).unwrap(), b"utf8");
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// link / symlink
+// ---------------------------------------------------------------------------
+
+#[test]
+fn hard_links() {
+    let mut m = Mount::new();
+    fs::create_dir(m.path("d")).unwrap();
+    let a = m.path("a");
+    let b = m.path("d/b");
+    fs::write(&a, b"original").unwrap();
+    let ino = stat(&a).ino();
+    let a0 = stat(&a);
+    let d0 = stat(&m.path("d"));
+    tick();
+    fs::hard_link(&a, &b).unwrap();
+    let (sa, sb) = (stat(&a), stat(&b));
+    assert_eq!(sa.nlink(), 2);
+    assert_eq!(sb.nlink(), 2);
+    assert_eq!(sb.ino(), ino);
+    assert!(ctime(&sa) > ctime(&a0), "link updates the file's ctime");
+    assert_eq!(mtime(&sa), mtime(&a0), "link leaves the file's mtime alone");
+    let d1 = stat(&m.path("d"));
+    assert!(
+        mtime(&d1) > mtime(&d0),
+        "link updates the new parent's mtime"
+    );
+    assert!(
+        ctime(&d1) > ctime(&d0),
+        "link updates the new parent's ctime"
+    );
+    assert_eq!(fs::read(&b).unwrap(), b"original");
+
+    // a write through one name shows through the other
+    {
+        let f = OpenOptions::new().write(true).open(&b).unwrap();
+        f.write_all_at(b"ORIG", 0).unwrap();
+    }
+    assert_eq!(fs::read(&a).unwrap(), b"ORIGinal");
+    fs::hard_link(&b, m.path("c")).unwrap();
+    assert_eq!(stat(&a).nlink(), 3);
+
+    expect_errno(
+        fs::hard_link(&a, &b),
+        libc::EEXIST,
+        "link onto an existing name",
+    );
+    expect_errno(
+        fs::hard_link(m.path("missing"), m.path("x")),
+        libc::ENOENT,
+        "link a missing file",
+    );
+    expect_errno(
+        fs::hard_link(m.path("d"), m.path("dlink")),
+        libc::EPERM,
+        "link to a directory",
+    );
+    expect_errno(
+        fs::hard_link(&a, m.path("nodir/x")),
+        libc::ENOENT,
+        "link into a missing directory",
+    );
+
+    // unlinking one name keeps the others
+    fs::remove_file(&a).unwrap();
+    expect_errno(fs::metadata(&a), libc::ENOENT, "removed name");
+    assert_eq!(stat(&b).nlink(), 2);
+    assert_eq!(fs::read(&b).unwrap(), b"ORIGinal");
+
+    m.remount();
+    assert_eq!(stat(&b).nlink(), 2);
+    assert_eq!(stat(&b).ino(), ino);
+    assert_eq!(stat(&m.path("c")).ino(), ino);
+    assert_eq!(fs::read(m.path("c")).unwrap(), b"ORIGinal");
+    fs::remove_file(m.path("c")).unwrap();
+    assert_eq!(stat(&b).nlink(), 1);
+    m.remount();
+    assert_eq!(stat(&b).nlink(), 1);
+    assert_eq!(fs::read(&b).unwrap(), b"ORIGinal");
+    m.unmount();
+}
+
+fn long_symlink_target(len: usize) -> String {
+    let mut s = String::new();
+    while s.len() + 201 <= len {
+        s.push_str(&"x".repeat(200));
+        s.push('/');
+    }
+    while s.len() < len {
+        s.push('y');
+    }
+    assert_eq!(s.len(), len);
+    s
+}
+
+#[test]
+fn symlinks_and_readlink() {
+    let mut m = Mount::new();
+    fs::write(m.path("t"), b"12345").unwrap();
+    let targets: Vec<String> = vec![
+        "t".to_string(),
+        "some/../odd//path/".to_string(),
+        "/absolute/path/that/does/not/exist".to_string(),
+        " spaces and \u{e9}\u{1F333} ".to_string(),
+        long_symlink_target(4095),
+    ];
+    for (i, t) in targets.iter().enumerate() {
+        let l = m.path(format!("l{i}"));
+        symlink(t, &l).unwrap();
+        let md = lstat(&l);
+        assert!(
+            md.file_type().is_symlink(),
+            "lstat of l{i} is not a symlink"
+        );
+        assert_eq!(
+            md.len(),
+            t.len() as u64,
+            "st_size of a symlink is its target's length"
+        );
+        assert_eq!(perm(md.mode()), 0o777, "symlink permission bits");
+        assert_eq!(md.nlink(), 1);
+        assert_eq!(
+            fs::read_link(&l).unwrap().as_os_str().as_bytes(),
+            t.as_bytes()
+        );
+    }
+    expect_errno(
+        symlink(long_symlink_target(4096), m.path("too-long")),
+        libc::ENAMETOOLONG,
+        "symlink target of 4096 bytes",
+    );
+
+    // stat follows, lstat does not
+    let st = stat(&m.path("l0"));
+    assert!(st.is_file());
+    assert_eq!(st.len(), 5);
+    assert_eq!(st.ino(), stat(&m.path("t")).ino());
+    assert_ne!(lstat(&m.path("l0")).ino(), st.ino());
+    assert_eq!(fs::read(m.path("l0")).unwrap(), b"12345");
+    expect_errno(
+        fs::metadata(m.path("l2")),
+        libc::ENOENT,
+        "stat a dangling symlink",
+    );
+
+    // through a symlink to a directory
+    fs::create_dir(m.path("dir")).unwrap();
+    symlink("dir", m.path("ldir")).unwrap();
+    fs::write(m.path("ldir/inner"), b"in").unwrap();
+    assert_eq!(fs::read(m.path("dir/inner")).unwrap(), b"in");
+
+    // loops
+    symlink("loop2", m.path("loop1")).unwrap();
+    symlink("loop1", m.path("loop2")).unwrap();
+    expect_errno(
+        File::open(m.path("loop1")),
+        libc::ELOOP,
+        "open a symlink loop",
+    );
+
+    expect_errno(
+        symlink("x", m.path("t")),
+        libc::EEXIST,
+        "symlink onto an existing name",
+    );
+    expect_errno(
+        fs::read_link(m.path("t")),
+        libc::EINVAL,
+        "readlink a regular file",
+    );
+
+    // removing a symlink leaves its target
+    fs::remove_file(m.path("ldir")).unwrap();
+    assert!(stat(&m.path("dir")).is_dir());
+
+    m.remount();
+    for (i, t) in targets.iter().enumerate() {
+        let l = m.path(format!("l{i}"));
+        assert_eq!(
+            fs::read_link(&l).unwrap().as_os_str().as_bytes(),
+            t.as_bytes()
+        );
+        assert_eq!(lstat(&l).len(), t.len() as u64);
+    }
+    assert_eq!(fs::read(m.path("l0")).unwrap(), b"12345");
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// rename
+// ---------------------------------------------------------------------------
+
+#[test]
+fn rename_file_over_file() {
+    let mut m = Mount::new();
+    let (a, b, b2) = (m.path("a"), m.path("b"), m.path("b2"));
+    fs::write(&a, b"AAAA").unwrap();
+    fs::write(&b, b"BBBBBB").unwrap();
+    fs::hard_link(&b, &b2).unwrap();
+    let ia = stat(&a).ino();
+    let ib = stat(&b).ino();
+    let mut old_b = File::open(&b).unwrap();
+
+    fs::rename(&a, &b).unwrap();
+    expect_errno(fs::metadata(&a), libc::ENOENT, "old name after rename");
+    let sb = stat(&b);
+    assert_eq!(
+        sb.ino(),
+        ia,
+        "the target name now refers to the source inode"
+    );
+    assert_eq!(sb.nlink(), 1);
+    assert_eq!(fs::read(&b).unwrap(), b"AAAA");
+    let sb2 = stat(&b2);
+    assert_eq!(sb2.ino(), ib);
+    assert_eq!(sb2.nlink(), 1, "the replaced inode lost one link");
+    assert_eq!(fs::read(&b2).unwrap(), b"BBBBBB");
+    let mut s = Vec::new();
+    old_b.read_to_end(&mut s).unwrap();
+    assert_eq!(
+        s, b"BBBBBB",
+        "an open descriptor of the replaced file still reads it"
+    );
+    drop(old_b);
+
+    // replacing the last link of a file
+    fs::write(m.path("c"), b"CC").unwrap();
+    fs::rename(&b2, m.path("c")).unwrap();
+    assert_eq!(stat(&m.path("c")).ino(), ib);
+    assert_eq!(fs::read(m.path("c")).unwrap(), b"BBBBBB");
+
+    // across directories
+    fs::create_dir(m.path("d")).unwrap();
+    fs::rename(&b, m.path("d/moved")).unwrap();
+    assert_eq!(stat(&m.path("d/moved")).ino(), ia);
+
+    expect_errno(
+        fs::rename(m.path("nope"), m.path("x")),
+        libc::ENOENT,
+        "rename a missing file",
+    );
+    expect_errno(
+        fs::rename(m.path("c"), m.path("nodir/x")),
+        libc::ENOENT,
+        "rename into a missing directory",
+    );
+    expect_errno(
+        fs::rename(m.path("c"), m.path("d/moved/x")),
+        libc::ENOTDIR,
+        "rename below a file",
+    );
+
+    m.remount();
+    expect_errno(fs::metadata(&a), libc::ENOENT, "a after remount");
+    expect_errno(fs::metadata(&b), libc::ENOENT, "b after remount");
+    expect_errno(fs::metadata(&b2), libc::ENOENT, "b2 after remount");
+    assert_eq!(fs::read(m.path("d/moved")).unwrap(), b"AAAA");
+    assert_eq!(stat(&m.path("d/moved")).ino(), ia);
+    assert_eq!(fs::read(m.path("c")).unwrap(), b"BBBBBB");
+    assert_eq!(stat(&m.path("c")).nlink(), 1);
+    assert_eq!(list_dir(m.root()), vec!["c", "d"]);
+    m.unmount();
+}
+
+#[test]
+fn rename_directories_and_error_cases() {
+    let mut m = Mount::new();
+    let p = m.path("p");
+    fs::create_dir(&p).unwrap();
+    for d in ["d1", "d2", "full", "d1/sub"] {
+        fs::create_dir(p.join(d)).unwrap();
+    }
+    fs::write(p.join("full/x"), b"x").unwrap();
+    fs::write(p.join("file"), b"f").unwrap();
+    assert_eq!(stat(&p).nlink(), 5);
+    let i1 = stat(&p.join("d1")).ino();
+
+    // directory over an empty directory
+    fs::rename(p.join("d1"), p.join("d2")).unwrap();
+    expect_errno(fs::metadata(p.join("d1")), libc::ENOENT, "d1 after rename");
+    assert_eq!(stat(&p.join("d2")).ino(), i1);
+    assert!(stat(&p.join("d2/sub")).is_dir());
+    assert_eq!(
+        stat(&p).nlink(),
+        4,
+        "the replaced directory's '..' link is gone"
+    );
+    assert_eq!(stat(&p.join("d2")).nlink(), 3);
+
+    expect_errno(
+        fs::rename(p.join("d2"), p.join("full")),
+        libc::ENOTEMPTY,
+        "directory over a non-empty directory",
+    );
+    expect_errno(
+        fs::rename(p.join("file"), p.join("d2")),
+        libc::EISDIR,
+        "file over a directory",
+    );
+    expect_errno(
+        fs::rename(p.join("d2"), p.join("file")),
+        libc::ENOTDIR,
+        "directory over a file",
+    );
+    expect_errno(
+        fs::rename(p.join("d2"), p.join("d2/sub/inner")),
+        libc::EINVAL,
+        "directory into its own grandchild",
+    );
+    expect_errno(
+        fs::rename(p.join("d2"), p.join("d2/new")),
+        libc::EINVAL,
+        "directory into itself",
+    );
+
+    // nothing moved
+    let check = |m: &Mount| {
+        let p = m.path("p");
+        assert_eq!(list_dir(&p), vec!["d2", "file", "full"]);
+        assert_eq!(stat(&p).nlink(), 4);
+        assert_eq!(stat(&p.join("d2")).ino(), i1);
+        assert_eq!(list_dir(&p.join("d2")), vec!["sub"]);
+        assert_eq!(list_dir(&p.join("full")), vec!["x"]);
+        assert_eq!(fs::read(p.join("file")).unwrap(), b"f");
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
+#[test]
+fn rename_to_itself_is_a_noop() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    let g = m.path("g");
+    let d = m.path("d");
+    fs::write(&f, b"same").unwrap();
+    fs::create_dir(&d).unwrap();
+    let ino = stat(&f).ino();
+    fs::rename(&f, &f).unwrap();
+    assert_eq!(stat(&f).ino(), ino);
+    assert_eq!(fs::read(&f).unwrap(), b"same");
+    fs::rename(&d, &d).unwrap();
+    assert!(stat(&d).is_dir());
+    // two links of one file: rename(f, g) does nothing
+    fs::hard_link(&f, &g).unwrap();
+    fs::rename(&f, &g).unwrap();
+    assert_eq!(stat(&f).ino(), ino);
+    assert_eq!(stat(&g).ino(), ino);
+    assert_eq!(stat(&f).nlink(), 2);
+    m.remount();
+    assert_eq!(list_dir(m.root()), vec!["d", "f", "g"]);
+    assert_eq!(stat(&f).nlink(), 2);
+    assert_eq!(fs::read(&g).unwrap(), b"same");
+    m.unmount();
+}
+
+#[test]
+fn rename_noreplace() {
+    let mut m = Mount::new();
+    let (a, b, c) = (m.path("a"), m.path("b"), m.path("c"));
+    fs::write(&a, b"a").unwrap();
+    fs::write(&b, b"b").unwrap();
+    fs::create_dir(m.path("dir")).unwrap();
+    let ia = stat(&a).ino();
+    expect_errno(
+        renameat2(&a, &b, RENAME_NOREPLACE),
+        libc::EEXIST,
+        "NOREPLACE onto a file",
+    );
+    expect_errno(
+        renameat2(&a, &m.path("dir"), RENAME_NOREPLACE),
+        libc::EEXIST,
+        "NOREPLACE onto a directory",
+    );
+    assert_eq!(fs::read(&a).unwrap(), b"a");
+    assert_eq!(fs::read(&b).unwrap(), b"b");
+    renameat2(&a, &c, RENAME_NOREPLACE).unwrap();
+    expect_errno(
+        fs::metadata(&a),
+        libc::ENOENT,
+        "source after NOREPLACE rename",
+    );
+    assert_eq!(stat(&c).ino(), ia);
+    assert_eq!(fs::read(&c).unwrap(), b"a");
+    expect_errno(
+        renameat2(&c, &b, RENAME_NOREPLACE | RENAME_EXCHANGE),
+        libc::EINVAL,
+        "NOREPLACE together with EXCHANGE",
+    );
+    m.remount();
+    assert_eq!(list_dir(m.root()), vec!["b", "c", "dir"]);
+    assert_eq!(fs::read(&c).unwrap(), b"a");
+    m.unmount();
+}
+
+#[test]
+fn rename_exchange() {
+    let mut m = Mount::new();
+    let (a, b) = (m.path("a"), m.path("b"));
+    fs::write(&a, b"AAA").unwrap();
+    fs::write(&b, b"BBBBB").unwrap();
+    let (ia, ib) = (stat(&a).ino(), stat(&b).ino());
+
+    // two files
+    renameat2(&a, &b, RENAME_EXCHANGE).unwrap();
+    assert_eq!(stat(&a).ino(), ib);
+    assert_eq!(stat(&b).ino(), ia);
+    assert_eq!(fs::read(&a).unwrap(), b"BBBBB");
+    assert_eq!(fs::read(&b).unwrap(), b"AAA");
+
+    // a file and a directory in the same parent
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    fs::write(d.join("inside"), b"in").unwrap();
+    let id = stat(&d).ino();
+    let root_links = stat(m.root()).nlink();
+    renameat2(&a, &d, RENAME_EXCHANGE).unwrap();
+    assert!(stat(&a).is_dir());
+    assert_eq!(stat(&a).ino(), id);
+    assert_eq!(fs::read(a.join("inside")).unwrap(), b"in");
+    assert!(stat(&d).is_file());
+    assert_eq!(stat(&d).ino(), ib);
+    assert_eq!(fs::read(&d).unwrap(), b"BBBBB");
+    assert_eq!(stat(m.root()).nlink(), root_links);
+
+    // a directory and a file in different parents: the directory changes parent
+    let (p1, p2) = (m.path("p1"), m.path("p2"));
+    fs::create_dir(&p1).unwrap();
+    fs::create_dir(&p2).unwrap();
+    fs::create_dir(p1.join("sub")).unwrap();
+    fs::write(p1.join("sub/x"), b"x in sub").unwrap();
+    fs::write(p2.join("f"), b"file in p2").unwrap();
+    let isub = stat(&p1.join("sub")).ino();
+    let if2 = stat(&p2.join("f")).ino();
+    assert_eq!(stat(&p1).nlink(), 3);
+    assert_eq!(stat(&p2).nlink(), 2);
+    renameat2(&p1.join("sub"), &p2.join("f"), RENAME_EXCHANGE).unwrap();
+
+    expect_errno(
+        renameat2(&b, &m.path("missing"), RENAME_EXCHANGE),
+        libc::ENOENT,
+        "EXCHANGE with a missing target",
+    );
+    expect_errno(
+        renameat2(&m.path("missing"), &b, RENAME_EXCHANGE),
+        libc::ENOENT,
+        "EXCHANGE with a missing source",
+    );
+
+    let check = |m: &Mount| {
+        let (a, b, d) = (m.path("a"), m.path("b"), m.path("d"));
+        let (p1, p2) = (m.path("p1"), m.path("p2"));
+        assert_eq!(stat(&a).ino(), id);
+        assert_eq!(stat(&b).ino(), ia);
+        assert_eq!(stat(&d).ino(), ib);
+        assert_eq!(fs::read(&b).unwrap(), b"AAA");
+        assert_eq!(fs::read(&d).unwrap(), b"BBBBB");
+        assert_eq!(fs::read(a.join("inside")).unwrap(), b"in");
+        assert_eq!(dirent_ino(&a, ".."), stat(m.root()).ino());
+
+        let s1 = stat(&p1.join("sub"));
+        assert!(s1.is_file());
+        assert_eq!(s1.ino(), if2);
+        assert_eq!(fs::read(p1.join("sub")).unwrap(), b"file in p2");
+        let s2 = stat(&p2.join("f"));
+        assert!(s2.is_dir());
+        assert_eq!(s2.ino(), isub);
+        assert_eq!(fs::read(p2.join("f/x")).unwrap(), b"x in sub");
+        assert_eq!(stat(&p1).nlink(), 2, "p1 lost the subdirectory");
+        assert_eq!(stat(&p2).nlink(), 3, "p2 gained the subdirectory");
+        assert_eq!(stat(&p2.join("f/..")).ino(), stat(&p2).ino());
+        assert_eq!(
+            dirent_ino(&p2.join("f"), ".."),
+            stat(&p2).ino(),
+            "'..' entry of the moved directory"
+        );
+        assert_eq!(dirent_ino(&p2.join("f"), "."), isub);
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
+#[test]
+fn rename_directory_across_parents_updates_dotdot_and_link_counts() {
+    let mut m = Mount::new();
+    let (p1, p2) = (m.path("p1"), m.path("p2"));
+    fs::create_dir(&p1).unwrap();
+    fs::create_dir(&p2).unwrap();
+    fs::create_dir(p1.join("d")).unwrap();
+    fs::create_dir(p1.join("d/sub")).unwrap();
+    fs::write(p1.join("d/file"), b"content").unwrap();
+    let id = stat(&p1.join("d")).ino();
+    assert_eq!(stat(&p1).nlink(), 3);
+    assert_eq!(stat(&p2).nlink(), 2);
+    let (t1, t2) = (stat(&p1), stat(&p2));
+    tick();
+
+    fs::rename(p1.join("d"), p2.join("d")).unwrap();
+
+    let (s1, s2) = (stat(&p1), stat(&p2));
+    assert!(
+        mtime(&s1) > mtime(&t1),
+        "rename updates the old parent's mtime"
+    );
+    assert!(
+        ctime(&s1) > ctime(&t1),
+        "rename updates the old parent's ctime"
+    );
+    assert!(
+        mtime(&s2) > mtime(&t2),
+        "rename updates the new parent's mtime"
+    );
+    assert!(
+        ctime(&s2) > ctime(&t2),
+        "rename updates the new parent's ctime"
+    );
+
+    let check = |m: &Mount| {
+        let (p1, p2) = (m.path("p1"), m.path("p2"));
+        let d = p2.join("d");
+        expect_errno(fs::metadata(p1.join("d")), libc::ENOENT, "old name");
+        assert_eq!(stat(&d).ino(), id);
+        assert_eq!(stat(&p1).nlink(), 2);
+        assert_eq!(stat(&p2).nlink(), 3);
+        assert_eq!(stat(&d).nlink(), 3);
+        assert_eq!(stat(&d.join("..")).ino(), stat(&p2).ino());
+        assert_eq!(
+            dirent_ino(&d, ".."),
+            stat(&p2).ino(),
+            "readdir '..' of the moved directory"
+        );
+        assert_eq!(dirent_ino(&d, "."), id);
+        assert_eq!(dirent_ino(&d.join("sub"), ".."), id);
+        assert_eq!(fs::read(d.join("file")).unwrap(), b"content");
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    expect_errno(fs::remove_dir(&p2), libc::ENOTEMPTY, "rmdir the new parent");
+    fs::remove_dir(&p1).unwrap();
+    m.remount();
+    assert_eq!(list_dir(m.root()), vec!["p2"]);
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// mknod
+// ---------------------------------------------------------------------------
+
+#[test]
+fn mknod_fifo_and_device_nodes() {
+    let mut m = Mount::new();
+    let um = current_umask();
+    let cdev = makedev(12, 34);
+    let bdev = makedev(259, 65_537);
+    mkfifo(&m.path("fifo"), 0o644).unwrap();
+    mknod(&m.path("fifo2"), libc::S_IFIFO | 0o600, 0).unwrap();
+    mknod(&m.path("chr"), libc::S_IFCHR | 0o620, cdev).unwrap();
+    mknod(&m.path("blk"), libc::S_IFBLK | 0o640, bdev).unwrap();
+    mknod(&m.path("reg"), libc::S_IFREG | 0o644, 0).unwrap();
+    mknod(&m.path("sock"), libc::S_IFSOCK | 0o644, 0).unwrap();
+    expect_errno(
+        mkfifo(&m.path("fifo"), 0o644),
+        libc::EEXIST,
+        "mkfifo over an existing name",
+    );
+
+    let check = |m: &Mount| {
+        let s = lstat(&m.path("fifo"));
+        assert!(s.file_type().is_fifo());
+        assert_eq!(file_type_bits(s.mode()), libc::S_IFIFO);
+        assert_eq!(perm(s.mode()), 0o644 & !um);
+        assert_eq!(s.len(), 0);
+        assert_eq!(s.nlink(), 1);
+        assert_eq!((s.uid(), s.gid()), (0, 0));
+        assert!(lstat(&m.path("fifo2")).file_type().is_fifo());
+        let c = lstat(&m.path("chr"));
+        assert!(c.file_type().is_char_device());
+        assert_eq!(c.rdev(), cdev, "char device number");
+        assert_eq!(perm(c.mode()), 0o620 & !um);
+        let b = lstat(&m.path("blk"));
+        assert!(b.file_type().is_block_device());
+        assert_eq!(b.rdev(), bdev, "block device number");
+        let r = lstat(&m.path("reg"));
+        assert!(r.is_file());
+        assert_eq!(r.len(), 0);
+        assert!(lstat(&m.path("sock")).file_type().is_socket());
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// chmod / chown
+// ---------------------------------------------------------------------------
+
+#[test]
+fn chmod_stores_every_mode_bit() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    let d = m.path("d");
+    fs::write(&f, b"x").unwrap();
+    fs::create_dir(&d).unwrap();
+    for mode in [
+        0o7777, 0o4755, 0o2755, 0o1755, 0o0000, 0o0644, 0o0777, 0o6711, 0o4750,
+    ] {
+        chmod(&f, mode).unwrap();
+        let s = stat(&f);
+        assert_eq!(perm(s.mode()), mode, "file mode {:o}", mode);
+        assert_eq!(file_type_bits(s.mode()), libc::S_IFREG);
+    }
+    for mode in [0o7777, 0o2755, 0o0700, 0o3770, 0o1777] {
+        chmod(&d, mode).unwrap();
+        let s = stat(&d);
+        assert_eq!(perm(s.mode()), mode, "directory mode {:o}", mode);
+        assert_eq!(file_type_bits(s.mode()), libc::S_IFDIR);
+    }
+    fs::set_permissions(m.path("f"), fs::Permissions::from_mode(0o4750)).unwrap();
+    // chmod through a symlink changes the target, not the link
+    fs::write(m.path("t"), b"t").unwrap();
+    symlink("t", m.path("l")).unwrap();
+    chmod(&m.path("l"), 0o600).unwrap();
+    assert_eq!(perm(stat(&m.path("t")).mode()), 0o600);
+    assert_eq!(perm(lstat(&m.path("l")).mode()), 0o777);
+    // only the owner (or root) may chmod
+    let r = run_as(NOBODY, NOGROUP, || chmod(&f, 0o777));
+    expect_errno(r, libc::EPERM, "chmod by a non-owner");
+
+    m.remount();
+    assert_eq!(perm(stat(&f).mode()), 0o4750);
+    assert_eq!(perm(stat(&d).mode()), 0o1777);
+    assert_eq!(perm(stat(&m.path("t")).mode()), 0o600);
+    m.unmount();
+}
+
+#[test]
+fn chown_rules() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    fs::write(&f, b"data").unwrap();
+    let ids = |p: &Path| {
+        let s = stat(p);
+        (s.uid(), s.gid())
+    };
+    let lids = |p: &Path| {
+        let s = lstat(p);
+        (s.uid(), s.gid())
+    };
+
+    chown(&f, 65534, 65533).unwrap();
+    assert_eq!(ids(&f), (65534, 65533));
+    chown(&f, u32::MAX, 1234).unwrap();
+    assert_eq!(ids(&f), (65534, 1234), "uid -1 leaves the owner");
+    chown(&f, 4321, u32::MAX).unwrap();
+    assert_eq!(ids(&f), (4321, 1234), "gid -1 leaves the group");
+
+    // lchown changes the link; chown through a link changes the target
+    let l = m.path("l");
+    symlink("f", &l).unwrap();
+    lchown(&l, 11, 22).unwrap();
+    assert_eq!(lids(&l), (11, 22));
+    assert_eq!(ids(&f), (4321, 1234));
+    chown(&l, 33, 44).unwrap();
+    assert_eq!(ids(&f), (33, 44));
+    assert_eq!(lids(&l), (11, 22));
+
+    // chown of a regular file clears setuid and group-executable setgid
+    chmod(&f, 0o6755).unwrap();
+    chown(&f, 1000, 1000).unwrap();
+    assert_eq!(perm(stat(&f).mode()), 0o755, "chown clears S_ISUID/S_ISGID");
+    // directories keep them
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    chmod(&d, 0o2755).unwrap();
+    chown(&d, 1000, 1000).unwrap();
+    assert_eq!(perm(stat(&d).mode()), 0o2755);
+
+    // unprivileged callers
+    let g = m.path("g");
+    fs::write(&g, b"nobody's").unwrap();
+    chown(&g, NOBODY, NOGROUP).unwrap();
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || chown(&f, NOBODY, u32::MAX)),
+        libc::EPERM,
+        "chown of someone else's file",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || chown(&g, 0, u32::MAX)),
+        libc::EPERM,
+        "giving a file away",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || chown(&g, u32::MAX, 0)),
+        libc::EPERM,
+        "chgrp to a group the owner is not in",
+    );
+    run_as(NOBODY, NOGROUP, || chown(&g, NOBODY, NOGROUP)).unwrap();
+    run_as(NOBODY, NOGROUP, || chown(&g, u32::MAX, u32::MAX)).unwrap();
+    let out = m.as_user(NOBODY, NOGROUP, "chown 65534 f");
+    assert!(
+        !out.status.success(),
+        "chown by a non-owner succeeded:\n{}",
+        describe(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Operation not permitted"),
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(ids(&f), (1000, 1000));
+    assert_eq!(ids(&g), (NOBODY, NOGROUP));
+
+    m.remount();
+    assert_eq!(ids(&f), (1000, 1000));
+    assert_eq!(perm(stat(&f).mode()), 0o755);
+    assert_eq!(lids(&l), (11, 22));
+    assert_eq!(ids(&d), (1000, 1000));
+    assert_eq!(ids(&g), (NOBODY, NOGROUP));
+    m.unmount();
+}
+
+#[test]
+fn write_by_unprivileged_user_clears_setuid() {
+    let mut m = Mount::new();
+    let f = m.path("suid");
+    fs::write(&f, b"0123456789").unwrap();
+    chmod(&f, 0o6777).unwrap();
+    assert_eq!(perm(stat(&f).mode()), 0o6777);
+    run_as(NOBODY, NOGROUP, || -> std::io::Result<()> {
+        let h = OpenOptions::new().write(true).open(&f)?;
+        h.write_all_at(b"x", 3)?;
+        Ok(())
+    })
+    .unwrap();
+    let s = stat(&f);
+    assert_eq!(
+        perm(s.mode()),
+        0o777,
+        "a write by an unprivileged user clears S_ISUID and (group-executable) S_ISGID"
+    );
+    assert_eq!(fs::read(&f).unwrap(), b"012x456789");
+    // root (CAP_FSETID) keeps the bits
+    chmod(&f, 0o4755).unwrap();
+    {
+        let h = OpenOptions::new().write(true).open(&f).unwrap();
+        h.write_all_at(b"y", 4).unwrap();
+    }
+    assert_eq!(perm(stat(&f).mode()), 0o4755);
+    m.remount();
+    assert_eq!(perm(stat(&f).mode()), 0o4755);
+    assert_eq!(fs::read(&f).unwrap(), b"012xy56789");
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// permissions (kernel checks through default_permissions)
+// ---------------------------------------------------------------------------
+
+#[test]
+fn permission_checks_for_an_unprivileged_user() {
+    let mut m = Mount::new();
+    let secret = m.path("secret");
+    fs::write(&secret, b"top secret").unwrap();
+    chmod(&secret, 0o600).unwrap();
+    let out = m.as_user(NOBODY, NOGROUP, "cat secret");
+    assert!(
+        !out.status.success(),
+        "cat of a 0600 root file succeeded:\n{}",
+        describe(&out)
+    );
+    assert!(out.stdout.is_empty());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{}",
+        describe(&out)
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || File::open(&secret)),
+        libc::EACCES,
+        "read 0600",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || {
+            OpenOptions::new().write(true).open(&secret)
+        }),
+        libc::EACCES,
+        "write 0600",
+    );
+
+    // group bits: 0640 root:nogroup is readable by nobody, not writable
+    let shared = m.path("shared");
+    fs::write(&shared, b"for the group").unwrap();
+    chown(&shared, 0, NOGROUP).unwrap();
+    chmod(&shared, 0o640).unwrap();
+    assert_eq!(
+        run_as(NOBODY, NOGROUP, || fs::read(&shared)).unwrap(),
+        b"for the group"
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || {
+            OpenOptions::new().write(true).open(&shared)
+        }),
+        libc::EACCES,
+        "write 0640 via the group",
+    );
+    // the owner class wins even when it grants less than the group class
+    let own = m.path("own");
+    fs::write(&own, b"own").unwrap();
+    chown(&own, NOBODY, NOGROUP).unwrap();
+    chmod(&own, 0o070).unwrap();
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::read(&own)),
+        libc::EACCES,
+        "owner with mode 0070",
+    );
+
+    // search permission
+    let private = m.path("private");
+    fs::create_dir(&private).unwrap();
+    fs::write(private.join("file"), b"p").unwrap();
+    chmod(&private, 0o700).unwrap();
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::metadata(private.join("file"))),
+        libc::EACCES,
+        "lookup in a 0700 directory",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::read_dir(&private)),
+        libc::EACCES,
+        "opendir of a 0700 directory",
+    );
+    chmod(&private, 0o711).unwrap();
+    run_as(NOBODY, NOGROUP, || fs::metadata(private.join("file"))).unwrap();
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::read_dir(&private)),
+        libc::EACCES,
+        "opendir of a 0711 directory",
+    );
+
+    // write permission on directories
+    let rodir = m.path("rodir");
+    fs::create_dir(&rodir).unwrap();
+    chmod(&rodir, 0o755).unwrap();
+    fs::write(rodir.join("existing"), b"e").unwrap();
+    chmod(&rodir.join("existing"), 0o666).unwrap();
+    let out = m.as_user(NOBODY, NOGROUP, "touch rodir/x");
+    assert!(
+        !out.status.success(),
+        "touch in a 0755 root directory succeeded:\n{}",
+        describe(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{}",
+        describe(&out)
+    );
+    let x = rodir.join("x");
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || File::create(&x)),
+        libc::EACCES,
+        "create",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::create_dir(rodir.join("y"))),
+        libc::EACCES,
+        "mkdir",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::remove_file(rodir.join("existing"))),
+        libc::EACCES,
+        "unlink",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || {
+            fs::rename(rodir.join("existing"), rodir.join("z"))
+        }),
+        libc::EACCES,
+        "rename",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || symlink("t", rodir.join("l"))),
+        libc::EACCES,
+        "symlink",
+    );
+    // writing the 0666 file itself is allowed
+    run_as(NOBODY, NOGROUP, || {
+        fs::write(rodir.join("existing"), b"written")
+    })
+    .unwrap();
+    assert_eq!(list_dir(&rodir), vec!["existing"]);
+    assert_eq!(fs::read(rodir.join("existing")).unwrap(), b"written");
+    m.unmount();
+}
+
+#[test]
+fn sticky_directory_protects_other_users_files() {
+    let mut m = Mount::new();
+    let tmp = m.path("tmp");
+    fs::create_dir(&tmp).unwrap();
+    chmod(&tmp, 0o1777).unwrap();
+    let rootf = tmp.join("root-file");
+    fs::write(&rootf, b"r").unwrap();
+    chmod(&rootf, 0o666).unwrap();
+
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::remove_file(&rootf)),
+        libc::EPERM,
+        "unlink root's file in a sticky directory",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::rename(&rootf, tmp.join("stolen"))),
+        libc::EPERM,
+        "rename root's file in a sticky directory",
+    );
+    let out = m.as_user(NOBODY, NOGROUP, "rm -f tmp/root-file");
+    assert!(
+        !out.status.success(),
+        "rm in a sticky directory succeeded:\n{}",
+        describe(&out)
+    );
+    // the mode still allows writing it
+    run_as(NOBODY, NOGROUP, || fs::write(&rootf, b"w")).unwrap();
+    // another user's file is protected too
+    let other = tmp.join("other");
+    run_as(1000, 1000, || fs::write(&other, b"o")).unwrap();
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || fs::remove_file(&other)),
+        libc::EPERM,
+        "unlink user 1000's file",
+    );
+    // one's own file can go
+    let mine = tmp.join("mine");
+    run_as(NOBODY, NOGROUP, || {
+        fs::write(&mine, b"m")?;
+        fs::remove_file(&mine)
+    })
+    .unwrap();
+    assert_eq!(list_dir(&tmp), vec!["other", "root-file"]);
+    // the directory's owner may delete anything in it
+    chown(&tmp, NOBODY, NOGROUP).unwrap();
+    run_as(NOBODY, NOGROUP, || fs::remove_file(&rootf)).unwrap();
+    assert_eq!(list_dir(&tmp), vec!["other"]);
+
+    // without the sticky bit, write permission on the directory is enough
+    let open = m.path("open");
+    fs::create_dir(&open).unwrap();
+    chmod(&open, 0o777).unwrap();
+    fs::write(open.join("rf"), b"r").unwrap();
+    run_as(NOBODY, NOGROUP, || fs::remove_file(open.join("rf"))).unwrap();
+    assert!(list_dir(&open).is_empty());
+    m.unmount();
+}
+
+#[test]
+fn new_inodes_take_the_callers_uid_and_gid() {
+    let mut m = Mount::new();
+    let pubd = m.path("pub");
+    fs::create_dir(&pubd).unwrap();
+    chmod(&pubd, 0o777).unwrap();
+    let out = m.as_user(
+        NOBODY,
+        NOGROUP,
+        "cd pub && touch f && mkdir d && ln -s f l && mkfifo p && echo hi > e",
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    run_as(1234, 5678, || -> std::io::Result<()> {
+        File::create(pubd.join("g"))?;
+        fs::create_dir(pubd.join("h"))?;
+        symlink("g", pubd.join("i"))?;
+        mkfifo(&pubd.join("j"), 0o600)?;
+        Ok(())
+    })
+    .unwrap();
+    fs::hard_link(pubd.join("g"), pubd.join("k")).unwrap();
+
+    let check = |m: &Mount| {
+        let pubd = m.path("pub");
+        for name in ["f", "d", "l", "p", "e"] {
+            let s = lstat(&pubd.join(name));
+            assert_eq!((s.uid(), s.gid()), (NOBODY, NOGROUP), "owner of {name}");
+        }
+        for name in ["g", "h", "i", "j", "k"] {
+            let s = lstat(&pubd.join(name));
+            assert_eq!((s.uid(), s.gid()), (1234, 5678), "owner of {name}");
+        }
+        assert_eq!(stat(&pubd.join("k")).ino(), stat(&pubd.join("g")).ino());
+        assert_eq!(fs::read(pubd.join("e")).unwrap(), b"hi\n");
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
+#[test]
+fn umask_is_applied_exactly_once() {
+    let mut m = Mount::new();
+    let out = m.as_user(
+        0,
+        0,
+        "umask 027 && touch f && umask 0 && touch g && mkdir d && mkfifo p \
+         && umask 077 && mkdir e && umask 022 && touch h && mkdir i",
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    let check = |m: &Mount| {
+        for (name, mode) in [
+            ("f", 0o640),
+            ("g", 0o666),
+            ("d", 0o777),
+            ("p", 0o666),
+            ("e", 0o700),
+            ("h", 0o644),
+            ("i", 0o755),
+        ] {
+            assert_eq!(perm(lstat(&m.path(name)).mode()), mode, "mode of {name}");
+        }
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// timestamps
+// ---------------------------------------------------------------------------
+
+#[test]
+fn create_sets_all_times_and_updates_the_parent() {
+    let mut m = Mount::new();
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    for kind in ["file", "dir", "symlink", "fifo", "mknod-reg"] {
+        let p = d.join(kind);
+        let d0 = stat(&d);
+        tick();
+        let w0 = now();
+        match kind {
+            "file" => File::create(&p).map(|_| ()),
+            "dir" => fs::create_dir(&p),
+            "symlink" => symlink("target", &p),
+            "fifo" => mkfifo(&p, 0o644),
+            "mknod-reg" => mknod(&p, libc::S_IFREG | 0o644, 0),
+            _ => unreachable!(),
+        }
+        .unwrap();
+        let w1 = now();
+        let s = lstat(&p);
+        assert_eq!(atime(&s), mtime(&s), "{kind}: atime == mtime at creation");
+        assert_eq!(mtime(&s), ctime(&s), "{kind}: mtime == ctime at creation");
+        assert_time_near(mtime(&s), w0, w1, kind);
+        assert!(
+            mtime(&s) > mtime(&d0),
+            "{kind}: newer than the parent's old mtime"
+        );
+        let d1 = stat(&d);
+        assert!(mtime(&d1) > mtime(&d0), "{kind}: parent mtime updated");
+        assert!(ctime(&d1) > ctime(&d0), "{kind}: parent ctime updated");
+    }
+    m.unmount();
+}
+
+#[test]
+fn write_and_truncate_update_mtime_and_ctime() {
+    let mut m = Mount::new();
+    let p = m.path("f");
+    File::create(&p).unwrap();
+    let s0 = stat(&p);
+    tick();
+    let f = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    f.write_all_at(b"some data", 0).unwrap();
+    let s1 = f.metadata().unwrap();
+    assert!(mtime(&s1) > mtime(&s0), "write updates mtime");
+    assert!(ctime(&s1) > ctime(&s0), "write updates ctime");
+    assert_eq!(s1.len(), 9);
+    drop(f);
+    let s2 = stat(&p);
+    assert_eq!(
+        mtime(&s2),
+        mtime(&s1),
+        "mtime must not move after the write returned"
+    );
+    assert_eq!(
+        ctime(&s2),
+        ctime(&s1),
+        "ctime must not move after the write returned"
+    );
+
+    tick();
+    OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(3)
+        .unwrap();
+    let s3 = stat(&p);
+    assert!(mtime(&s3) > mtime(&s2), "ftruncate updates mtime");
+    assert!(ctime(&s3) > ctime(&s2), "ftruncate updates ctime");
+    assert_eq!(s3.len(), 3);
+    tick();
+    truncate(&p, 100).unwrap();
+    let s4 = stat(&p);
+    assert!(mtime(&s4) > mtime(&s3), "truncate updates mtime");
+    assert!(ctime(&s4) > ctime(&s3), "truncate updates ctime");
+    tick();
+    drop(File::create(&p).unwrap());
+    let s5 = stat(&p);
+    assert!(mtime(&s5) > mtime(&s4), "O_TRUNC updates mtime");
+    assert_eq!(s5.len(), 0);
+    tick();
+    {
+        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(b"appended").unwrap();
+    }
+    let s6 = stat(&p);
+    assert!(mtime(&s6) > mtime(&s5), "append updates mtime");
+    m.remount();
+    let s7 = stat(&p);
+    assert_eq!(mtime(&s7), mtime(&s6), "mtime persists exactly");
+    assert_eq!(ctime(&s7), ctime(&s6), "ctime persists exactly");
+    assert_eq!(fs::read(&p).unwrap(), b"appended");
+    m.unmount();
+}
+
+#[test]
+fn metadata_changes_update_ctime_only() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    fs::write(&f, b"data").unwrap();
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+
+    for what in ["chmod", "chown", "setxattr", "removexattr", "link"] {
+        let s0 = stat(&f);
+        tick();
+        match what {
+            "chmod" => chmod(&f, 0o600),
+            "chown" => chown(&f, 1000, 1000),
+            "setxattr" => setxattr(&f, "user.t", b"v", 0),
+            "removexattr" => removexattr(&f, "user.t"),
+            "link" => fs::hard_link(&f, m.path("f2")),
+            _ => unreachable!(),
+        }
+        .unwrap();
+        let s1 = stat(&f);
+        assert!(ctime(&s1) > ctime(&s0), "{what} updates ctime");
+        assert_eq!(mtime(&s1), mtime(&s0), "{what} leaves mtime");
+        assert_eq!(atime(&s1), atime(&s0), "{what} leaves atime");
+    }
+    let d0 = stat(&d);
+    tick();
+    chmod(&d, 0o700).unwrap();
+    let d1 = stat(&d);
+    assert!(
+        ctime(&d1) > ctime(&d0),
+        "chmod of a directory updates its ctime"
+    );
+    assert_eq!(
+        mtime(&d1),
+        mtime(&d0),
+        "chmod of a directory leaves its mtime"
+    );
+    m.unmount();
+}
+
+#[test]
+fn utimensat_sets_exact_nanoseconds() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    let d = m.path("d");
+    let l = m.path("l");
+    fs::write(&f, b"data").unwrap();
+    fs::create_dir(&d).unwrap();
+    symlink("f", &l).unwrap();
+    let at = (1_000_000_000, 123_456_789);
+    let mt = (1_000_000_001, 987_654_321);
+
+    let before = stat(&f);
+    tick();
+    utimens(&f, at, mt).unwrap();
+    let s = stat(&f);
+    assert_eq!(atime(&s), at);
+    assert_eq!(mtime(&s), mt);
+    assert!(ctime(&s) > ctime(&before), "utimensat updates ctime");
+
+    // far from now, and at the nanosecond edges
+    utimens(&f, (4_102_444_800, 999_999_999), (2_147_483_648, 1)).unwrap();
+    let s = stat(&f);
+    assert_eq!(atime(&s), (4_102_444_800, 999_999_999));
+    assert_eq!(mtime(&s), (2_147_483_648, 1));
+    utimens(&f, (0, 0), (1, 0)).unwrap();
+    let s = stat(&f);
+    assert_eq!(atime(&s), (0, 0));
+    assert_eq!(mtime(&s), (1, 0));
+
+    // UTIME_OMIT leaves a time alone; UTIME_NOW takes the current time
+    utimens(&f, at, mt).unwrap();
+    utimens(&f, (0, UTIME_OMIT), (1_234_567_890, 42)).unwrap();
+    let s = stat(&f);
+    assert_eq!(atime(&s), at);
+    assert_eq!(mtime(&s), (1_234_567_890, 42));
+    let w0 = now();
+    utimens(&f, (0, UTIME_NOW), (0, UTIME_OMIT)).unwrap();
+    let w1 = now();
+    let s = stat(&f);
+    assert_time_near(atime(&s), w0, w1, "UTIME_NOW");
+    assert_eq!(mtime(&s), (1_234_567_890, 42));
+    utimens(&f, at, mt).unwrap();
+
+    // directories and symlinks themselves
+    let dt = ((1_500_000_000, 5), (1_600_000_000, 500_000_000));
+    utimens(&d, dt.0, dt.1).unwrap();
+    let lt = ((1_400_000_000, 7), (1_300_000_000, 999));
+    utimensat(&l, lt.0, lt.1, libc::AT_SYMLINK_NOFOLLOW).unwrap();
+    let sl = lstat(&l);
+    assert_eq!((atime(&sl), mtime(&sl)), lt);
+    assert_eq!(
+        mtime(&stat(&f)),
+        mt,
+        "AT_SYMLINK_NOFOLLOW leaves the target"
+    );
+
+    // permission rules: explicit times need ownership; UTIME_NOW needs write access
+    let g = m.path("g");
+    fs::write(&g, b"g").unwrap();
+    chmod(&g, 0o666).unwrap();
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || utimens(&g, at, mt)),
+        libc::EPERM,
+        "explicit times by a non-owner",
+    );
+    run_as(NOBODY, NOGROUP, || {
+        utimens(&g, (0, UTIME_NOW), (0, UTIME_NOW))
+    })
+    .unwrap();
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || {
+            utimens(&f, (0, UTIME_NOW), (0, UTIME_NOW))
+        }),
+        libc::EACCES,
+        "UTIME_NOW without write access",
+    );
+
+    let check = |m: &Mount| {
+        let s = stat(&m.path("f"));
+        assert_eq!((atime(&s), mtime(&s)), (at, mt));
+        let s = stat(&m.path("d"));
+        assert_eq!((atime(&s), mtime(&s)), dt);
+        let s = lstat(&m.path("l"));
+        assert_eq!((atime(&s), mtime(&s)), lt);
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
+#[test]
+fn unlink_updates_parent_times_and_remaining_link_ctime() {
+    let mut m = Mount::new();
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    fs::create_dir(d.join("sub")).unwrap();
+    fs::write(d.join("a"), b"a").unwrap();
+    fs::hard_link(d.join("a"), d.join("b")).unwrap();
+    let (d0, a0) = (stat(&d), stat(&d.join("a")));
+    tick();
+    fs::remove_file(d.join("b")).unwrap();
+    let (d1, a1) = (stat(&d), stat(&d.join("a")));
+    assert!(mtime(&d1) > mtime(&d0), "unlink updates the parent's mtime");
+    assert!(ctime(&d1) > ctime(&d0), "unlink updates the parent's ctime");
+    assert!(
+        ctime(&a1) > ctime(&a0),
+        "unlink updates the remaining link's ctime"
+    );
+    assert_eq!(
+        mtime(&a1),
+        mtime(&a0),
+        "unlink leaves the remaining link's mtime"
+    );
+    assert_eq!(a1.nlink(), 1);
+    tick();
+    fs::remove_dir(d.join("sub")).unwrap();
+    let d2 = stat(&d);
+    assert!(mtime(&d2) > mtime(&d1), "rmdir updates the parent's mtime");
+    assert!(ctime(&d2) > ctime(&d1), "rmdir updates the parent's ctime");
+    m.remount();
+    let d3 = stat(&d);
+    assert_eq!(mtime(&d3), mtime(&d2));
+    assert_eq!(ctime(&d3), ctime(&d2));
+    m.unmount();
+}
+
+#[test]
+fn rename_updates_both_parents_times() {
+    let mut m = Mount::new();
+    let (p1, p2) = (m.path("p1"), m.path("p2"));
+    fs::create_dir(&p1).unwrap();
+    fs::create_dir(&p2).unwrap();
+    fs::write(p1.join("f"), b"f").unwrap();
+    let (s1, s2, f0) = (stat(&p1), stat(&p2), stat(&p1.join("f")));
+    tick();
+    fs::rename(p1.join("f"), p2.join("g")).unwrap();
+    let (t1, t2, f1) = (stat(&p1), stat(&p2), stat(&p2.join("g")));
+    assert!(mtime(&t1) > mtime(&s1), "old parent mtime");
+    assert!(ctime(&t1) > ctime(&s1), "old parent ctime");
+    assert!(mtime(&t2) > mtime(&s2), "new parent mtime");
+    assert!(ctime(&t2) > ctime(&s2), "new parent ctime");
+    assert_eq!(mtime(&f1), mtime(&f0), "rename leaves the file's mtime");
+    tick();
+    fs::rename(p2.join("g"), p2.join("h")).unwrap();
+    let t3 = stat(&p2);
+    assert!(
+        mtime(&t3) > mtime(&t2),
+        "same-directory rename updates its mtime"
+    );
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// truncate, fallocate, sparse files
+// ---------------------------------------------------------------------------
+
+#[test]
+fn truncate_grow_shrink_and_regrow_reads_zeros() {
+    let mut m = Mount::new();
+    let a = m.path("a");
+    let data = pattern(1, 10_000).to_vec();
+    fs::write(&a, &data).unwrap();
+    truncate(&a, 20_000).unwrap();
+    let got = fs::read(&a).unwrap();
+    assert_eq!(got.len(), 20_000);
+    assert_bytes_eq(&got[..10_000], &data, 0, "data below the old size");
+    assert!(is_zero(&got[10_000..]), "grown part reads zeros");
+    truncate(&a, 3_000).unwrap();
+    assert_eq!(stat(&a).len(), 3_000);
+    assert_bytes_eq(&fs::read(&a).unwrap(), &data[..3_000], 0, "after shrink");
+    truncate(&a, 9_000).unwrap();
+    let got = fs::read(&a).unwrap();
+    assert_eq!(got.len(), 9_000);
+    assert_bytes_eq(&got[..3_000], &data[..3_000], 0, "after regrow");
+    assert!(
+        is_zero(&got[3_000..]),
+        "old data past the cut must not come back"
+    );
+
+    // ftruncate inside a block, then regrow within the same block
+    let b = m.path("b");
+    let pat = pattern(2, 8192).to_vec();
+    {
+        let f = open_rw_create(&b);
+        f.write_all_at(&pat, 0).unwrap();
+        f.set_len(4097).unwrap();
+        f.set_len(8192).unwrap();
+        let mut buf = vec![0u8; 8192];
+        f.read_exact_at(&mut buf, 0).unwrap();
+        assert_bytes_eq(&buf[..4097], &pat[..4097], 0, "kept part");
+        assert!(is_zero(&buf[4097..]), "regrown tail of the block");
+        assert_eq!(f.metadata().unwrap().len(), 8192);
+        // grow far beyond the image size, sparse
+        f.set_len(5 * GIB).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 5 * GIB);
+        let mut tail = vec![1u8; 4096];
+        f.read_exact_at(&mut tail, 5 * GIB - 4096).unwrap();
+        assert!(is_zero(&tail));
+        f.set_len(8192).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 8192);
+    }
+    let c = m.path("c");
+    fs::write(&c, b"something").unwrap();
+    truncate(&c, 0).unwrap();
+    assert_eq!(fs::read(&c).unwrap(), b"");
+    truncate(&c, 12_345).unwrap();
+
+    expect_errno(
+        truncate(&m.path("missing"), 1),
+        libc::ENOENT,
+        "truncate a missing file",
+    );
+    fs::create_dir(m.path("d")).unwrap();
+    expect_errno(
+        truncate(&m.path("d"), 1),
+        libc::EISDIR,
+        "truncate a directory",
+    );
+    expect_errno(truncate(&c, -1), libc::EINVAL, "negative length");
+
+    m.remount();
+    let got = fs::read(&a).unwrap();
+    assert_eq!(got.len(), 9_000);
+    assert_bytes_eq(&got[..3_000], &data[..3_000], 0, "a after remount");
+    assert!(is_zero(&got[3_000..]));
+    let got = fs::read(&b).unwrap();
+    assert_eq!(got.len(), 8192);
+    assert_bytes_eq(&got[..4097], &pat[..4097], 0, "b after remount");
+    assert!(is_zero(&got[4097..]));
+    let got = fs::read(&c).unwrap();
+    assert_eq!(got.len(), 12_345);
+    assert!(is_zero(&got));
+    m.unmount();
+}
+
+#[test]
+fn fallocate_modes() {
+    let mut m = Mount::new();
+    let p = m.path("f");
+    let f = open_rw_create(&p);
+    fallocate(&f, 0, 0, MIB).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), MIB, "mode 0 extends the size");
+    let mut buf = vec![1u8; MB];
+    f.read_exact_at(&mut buf, 0).unwrap();
+    assert!(is_zero(&buf), "preallocated space reads zeros");
+    fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, MIB, MIB).unwrap();
+    assert_eq!(
+        f.metadata().unwrap().len(),
+        MIB,
+        "KEEP_SIZE does not change the size"
+    );
+
+    // data, then allocating over it keeps it
+    let mut expected = Vec::with_capacity(4 * MB);
+    for k in 0..3 {
+        expected.extend_from_slice(pattern(70 + k, MB));
+    }
+    f.write_all_at(&expected, 0).unwrap();
+    fallocate(&f, 0, 0, 3 * MIB).unwrap();
+    fallocate(&f, 0, 2 * MIB, 2 * MIB).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), 4 * MIB);
+    expected.resize(4 * MB, 0);
+
+    // an unaligned hole, an aligned one, and one past EOF
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    fallocate(&f, punch, 5_000, 70_000).unwrap();
+    expected[5_000..75_000].fill(0);
+    fallocate(&f, punch, MIB, MIB).unwrap();
+    expected[MB..2 * MB].fill(0);
+    fallocate(&f, punch, 10 * MIB, MIB).unwrap();
+    assert_eq!(
+        f.metadata().unwrap().len(),
+        4 * MIB,
+        "punching keeps the size"
+    );
+    expect_errno(
+        fallocate(&f, libc::FALLOC_FL_PUNCH_HOLE, 0, 4096),
+        libc::EOPNOTSUPP,
+        "PUNCH_HOLE without KEEP_SIZE",
+    );
+    let mut got = vec![0u8; 4 * MB];
+    f.read_exact_at(&mut got, 0).unwrap();
+    assert_bytes_eq(&got, &expected, 0, "after fallocate/punch");
+    // writing into a punched hole
+    f.write_all_at(b"refill", 6_000).unwrap();
+    expected[6_000..6_006].copy_from_slice(b"refill");
+    drop(f);
+
+    m.remount();
+    let got = fs::read(&p).unwrap();
+    assert_eq!(got.len(), 4 * MB);
+    assert_bytes_eq(&got, &expected, 0, "after remount");
+    m.unmount();
+}
+
+#[test]
+fn sparse_file_of_one_tib() {
+    let mut m = Mount::new();
+    let p = m.path("sparse");
+    let check = |f: &File| {
+        let md = f.metadata().unwrap();
+        assert_eq!(md.len(), TIB);
+        assert!(
+            md.blocks() < 1000,
+            "a 1-byte sparse file uses {} blocks",
+            md.blocks()
+        );
+        let mut rng = StdRng::seed_from_u64(11);
+        let mut buf = vec![1u8; 65536];
+        for off in [0, 4096, GIB, 3 * GIB + 17, TIB / 2] {
+            f.read_exact_at(&mut buf, off).unwrap();
+            assert!(is_zero(&buf), "hole at {off} reads zeros");
+        }
+        for _ in 0..64 {
+            let off = rng.gen_range(0..TIB - 65536 - 1);
+            buf.fill(1);
+            f.read_exact_at(&mut buf, off).unwrap();
+            assert!(is_zero(&buf), "hole at {off} reads zeros");
+        }
+        let mut last = vec![1u8; 4096];
+        f.read_exact_at(&mut last, TIB - 4096).unwrap();
+        assert!(is_zero(&last[..4095]));
+        assert_eq!(last[4095], b'Z');
+        let mut more = [0u8; 16];
+        assert_eq!(f.read_at(&mut more, TIB).unwrap(), 0, "read at EOF");
+        assert_eq!(
+            f.read_at(&mut more, TIB - 1).unwrap(),
+            1,
+            "short read before EOF"
+        );
+        assert_eq!(more[0], b'Z');
+    };
+    {
+        let f = open_rw_create(&p);
+        f.write_all_at(b"Z", TIB - 1).unwrap();
+        f.sync_all().unwrap();
+        check(&f);
+    }
+    m.remount();
+    check(&File::open(&p).unwrap());
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// xattrs
+// ---------------------------------------------------------------------------
+
+#[test]
+fn xattrs_set_get_list_remove_and_persist() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    let d = m.path("d");
+    fs::write(&f, b"data").unwrap();
+    fs::create_dir(&d).unwrap();
+
+    assert_eq!(listxattr(&f).unwrap(), Vec::<String>::new());
+    expect_errno(
+        getxattr(&f, "user.missing"),
+        libc::ENODATA,
+        "get a missing xattr",
+    );
+    let bin: Vec<u8> = (0..=255u8).chain([0, 0, 255]).collect();
+    let big = pattern(3, 4000).to_vec();
+    setxattr(&f, "user.a", b"hello", 0).unwrap();
+    setxattr(&f, "user.binary", &bin, 0).unwrap();
+    setxattr(&f, "user.empty", b"", 0).unwrap();
+    setxattr(&f, "user.big", &big, 0).unwrap();
+    assert_eq!(getxattr(&f, "user.a").unwrap(), b"hello");
+    assert_eq!(getxattr(&f, "user.binary").unwrap(), bin);
+    assert_eq!(getxattr(&f, "user.empty").unwrap(), b"");
+    assert_eq!(getxattr(&f, "user.big").unwrap(), big);
+    assert_eq!(
+        listxattr(&f).unwrap(),
+        vec!["user.a", "user.big", "user.binary", "user.empty"]
+    );
+
+    // the size query and a too-small buffer
+    assert_eq!(getxattr_sized(&f, "user.a", 0).unwrap().0, 5);
+    expect_errno(
+        getxattr_sized(&f, "user.a", 2),
+        libc::ERANGE,
+        "getxattr into a small buffer",
+    );
+
+    // XATTR_CREATE / XATTR_REPLACE
+    expect_errno(
+        setxattr(&f, "user.a", b"x", libc::XATTR_CREATE),
+        libc::EEXIST,
+        "XATTR_CREATE on an existing name",
+    );
+    assert_eq!(getxattr(&f, "user.a").unwrap(), b"hello");
+    expect_errno(
+        setxattr(&f, "user.nope", b"x", libc::XATTR_REPLACE),
+        libc::ENODATA,
+        "XATTR_REPLACE on a missing name",
+    );
+    expect_errno(
+        getxattr(&f, "user.nope"),
+        libc::ENODATA,
+        "after a failed REPLACE",
+    );
+    setxattr(
+        &f,
+        "user.a",
+        b"a longer replacement value",
+        libc::XATTR_REPLACE,
+    )
+    .unwrap();
+    assert_eq!(
+        getxattr(&f, "user.a").unwrap(),
+        b"a longer replacement value"
+    );
+    setxattr(&f, "user.a", b"short", 0).unwrap();
+    assert_eq!(getxattr(&f, "user.a").unwrap(), b"short");
+    setxattr(&f, "user.new", b"n", libc::XATTR_CREATE).unwrap();
+
+    // remove
+    removexattr(&f, "user.binary").unwrap();
+    expect_errno(
+        getxattr(&f, "user.binary"),
+        libc::ENODATA,
+        "get a removed xattr",
+    );
+    expect_errno(
+        removexattr(&f, "user.binary"),
+        libc::ENODATA,
+        "remove a missing xattr",
+    );
+    assert_eq!(
+        listxattr(&f).unwrap(),
+        vec!["user.a", "user.big", "user.empty", "user.new"]
+    );
+
+    // directories, many names
+    for i in 0..50 {
+        setxattr(
+            &d,
+            &format!("user.n{i:02}"),
+            format!("value {i}").as_bytes(),
+            0,
+        )
+        .unwrap();
+    }
+    assert_eq!(listxattr(&d).unwrap().len(), 50);
+
+    // user.* is refused on symlinks; writing needs write permission
+    symlink("f", m.path("l")).unwrap();
+    expect_errno(
+        lsetxattr(&m.path("l"), "user.x", b"v", 0),
+        libc::EPERM,
+        "user.* on a symlink",
+    );
+    expect_errno(
+        run_as(NOBODY, NOGROUP, || setxattr(&f, "user.x", b"v", 0)),
+        libc::EACCES,
+        "setxattr without write permission",
+    );
+    assert_eq!(
+        run_as(NOBODY, NOGROUP, || getxattr(&f, "user.a")).unwrap(),
+        b"short"
+    );
+
+    // xattrs follow the inode through rename
+    fs::rename(&f, m.path("g")).unwrap();
+
+    let check = |m: &Mount| {
+        let g = m.path("g");
+        let d = m.path("d");
+        assert_eq!(
+            listxattr(&g).unwrap(),
+            vec!["user.a", "user.big", "user.empty", "user.new"]
+        );
+        assert_eq!(getxattr(&g, "user.a").unwrap(), b"short");
+        assert_eq!(getxattr(&g, "user.big").unwrap(), big);
+        assert_eq!(getxattr(&g, "user.empty").unwrap(), b"");
+        assert_eq!(getxattr(&g, "user.new").unwrap(), b"n");
+        expect_errno(getxattr(&g, "user.binary"), libc::ENODATA, "removed xattr");
+        let names = listxattr(&d).unwrap();
+        assert_eq!(names.len(), 50);
+        for i in 0..50 {
+            let name = format!("user.n{i:02}");
+            assert_eq!(names[i], name);
+            assert_eq!(
+                getxattr(&d, &name).unwrap(),
+                format!("value {i}").as_bytes()
+            );
+        }
+        assert_eq!(fs::read(&g).unwrap(), b"data");
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// unlinked but open
+// ---------------------------------------------------------------------------
+
+#[test]
+fn unlinked_open_file_stays_usable_and_space_is_reclaimed() {
+    let mut m = Mount::new();
+    let free0 = free_bytes(m.root());
+    let p = m.path("doomed");
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .unwrap();
+    for i in 0..64u64 {
+        f.write_all(pattern(100 + i, MB)).unwrap();
+    }
+    f.sync_all().unwrap();
+    let free1 = free_bytes(m.root());
+    assert!(
+        free0 >= free1 + 48 * MIB,
+        "writing 64 MiB and fsync must consume space: free before {free0}, after {free1}"
+    );
+    let ino = f.metadata().unwrap().ino();
+
+    fs::remove_file(&p).unwrap();
+    expect_errno(fs::metadata(&p), libc::ENOENT, "unlinked name");
+    assert!(list_dir(m.root()).is_empty());
+    let md = f.metadata().unwrap();
+    assert_eq!(md.nlink(), 0, "fstat of an unlinked file");
+    assert_eq!(md.len(), 64 * MIB);
+    let mut buf = vec![0u8; MB];
+    for i in [0u64, 17, 63] {
+        f.read_exact_at(&mut buf, i * MIB).unwrap();
+        assert_bytes_eq(&buf, pattern(100 + i, MB), i * MIB, "unlinked file data");
+    }
+    f.write_all_at(b"still here", 64 * MIB).unwrap();
+    f.sync_all().unwrap();
+    let mut tail = [0u8; 10];
+    f.read_exact_at(&mut tail, 64 * MIB).unwrap();
+    assert_eq!(&tail, b"still here");
+    assert_eq!(f.metadata().unwrap().len(), 64 * MIB + 10);
+
+    // a new file under the old name is a different file
+    fs::write(&p, b"new").unwrap();
+    assert_ne!(stat(&p).ino(), ino);
+    f.read_exact_at(&mut buf, 0).unwrap();
+    assert_bytes_eq(&buf, pattern(100, MB), 0, "unlinked file after name reuse");
+    assert_eq!(fs::read(&p).unwrap(), b"new");
+    fs::remove_file(&p).unwrap();
+    drop(f);
+
+    m.remount();
+    let free2 = free_bytes(m.root());
+    assert!(
+        free0.abs_diff(free2) <= 4 * MIB,
+        "the unlinked file's space must come back: free before {free0}, with the file {free1}, after {free2}"
+    );
+    assert!(list_dir(m.root()).is_empty());
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// readdir
+// ---------------------------------------------------------------------------
+
+#[test]
+fn readdir_lists_exactly_the_entries() {
+    let mut m = Mount::new();
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    let mut expected: BTreeMap<String, u8> = BTreeMap::new();
+    for i in 0..1000 {
+        let name = format!("entry-{i:04}");
+        let p = d.join(&name);
+        let t = match i % 20 {
+            0 => {
+                fs::create_dir(&p).unwrap();
+                libc::DT_DIR
+            }
+            1 => {
+                symlink("target", &p).unwrap();
+                libc::DT_LNK
+            }
+            _ => {
+                File::create(&p).unwrap();
+                libc::DT_REG
+            }
+        };
+        expected.insert(name, t);
+    }
+    let check = |m: &Mount| {
+        let d = m.path("d");
+        let names = list_dir(&d);
+        assert_eq!(names.len(), 1000);
+        assert!(
+            names.iter().eq(expected.keys()),
+            "listing differs from the created names"
+        );
+        for e in fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().into_string().unwrap();
+            let ft = e.file_type().unwrap();
+            let want = expected[&name];
+            assert_eq!(ft.is_dir(), want == libc::DT_DIR, "{name}");
+            assert_eq!(ft.is_symlink(), want == libc::DT_LNK, "{name}");
+            assert_eq!(ft.is_file(), want == libc::DT_REG, "{name}");
+        }
+        let raw = readdir_raw(&d).unwrap();
+        assert_eq!(raw.len(), 1002, "1000 entries plus . and ..");
+        assert_eq!(raw.iter().filter(|e| e.name == b".").count(), 1);
+        assert_eq!(raw.iter().filter(|e| e.name == b"..").count(), 1);
+        let dino = stat(&d).ino();
+        let rootino = stat(m.root()).ino();
+        for e in &raw {
+            match &e.name[..] {
+                b"." => assert_eq!(e.ino, dino, "d_ino of ."),
+                b".." => assert_eq!(e.ino, rootino, "d_ino of .."),
+                name => {
+                    let name = String::from_utf8(name.to_vec()).unwrap();
+                    assert_eq!(e.d_type, expected[&name], "d_type of {name}");
+                    assert_eq!(e.ino, lstat(&d.join(&name)).ino(), "d_ino of {name}");
+                }
+            }
+        }
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    let empty = m.path("empty");
+    fs::create_dir(&empty).unwrap();
+    assert!(list_dir(&empty).is_empty());
+    let raw = readdir_raw(&empty).unwrap();
+    let mut names: Vec<&[u8]> = raw.iter().map(|e| &e.name[..]).collect();
+    names.sort();
+    assert_eq!(names, vec![&b"."[..], &b".."[..]]);
+    m.unmount();
+}
+
+#[test]
+fn readdir_while_deleting_skips_and_repeats_nothing() {
+    let mut m = Mount::new();
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    const N: usize = 1000;
+    let name =
+        |i: usize| format!("a-rather-long-directory-entry-name-to-span-many-readdir-pages-{i:05}");
+    for i in 0..N {
+        File::create(d.join(name(i))).unwrap();
+    }
+    let all: HashSet<String> = (0..N).map(name).collect();
+
+    // delete every even entry after the first ten have been returned
+    let mut seen = HashSet::new();
+    let mut deleted = false;
+    for e in fs::read_dir(&d).unwrap() {
+        let n = e.unwrap().file_name().into_string().unwrap();
+        assert!(all.contains(&n), "readdir returned an unknown name {n}");
+        assert!(seen.insert(n.clone()), "readdir returned {n} twice");
+        if seen.len() == 10 && !deleted {
+            for i in (0..N).step_by(2) {
+                fs::remove_file(d.join(name(i))).unwrap();
+            }
+            deleted = true;
+        }
+    }
+    assert!(deleted);
+    for i in (1..N).step_by(2) {
+        assert!(
+            seen.contains(&name(i)),
+            "{} was not deleted but readdir skipped it",
+            name(i)
+        );
+    }
+    let survivors: Vec<String> = {
+        let mut v: Vec<String> = (1..N).step_by(2).map(name).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(list_dir(&d), survivors);
+
+    // rm -r style: unlink each entry as soon as readdir returns it
+    let mut seen = HashSet::new();
+    for e in fs::read_dir(&d).unwrap() {
+        let n = e.unwrap().file_name().into_string().unwrap();
+        assert!(seen.insert(n.clone()), "readdir returned {n} twice");
+        fs::remove_file(d.join(&n)).unwrap();
+    }
+    assert_eq!(seen.len(), survivors.len(), "one pass must see every entry");
+    assert!(list_dir(&d).is_empty());
+    fs::remove_dir(&d).unwrap();
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// statfs
+// ---------------------------------------------------------------------------
+
+#[test]
+fn statfs_reports_geometry_and_usage() {
+    let mut m = Mount::new();
+    let s = statfs(m.root()).unwrap();
+    assert_eq!(s.f_bsize as u64, 4096, "f_bsize");
+    assert_eq!(s.f_namelen as u64, 255, "f_namelen");
+    assert!(s.f_blocks > 0);
+    assert!(s.f_bfree <= s.f_blocks);
+    assert!(s.f_bavail <= s.f_bfree);
+    let unit = if s.f_frsize > 0 {
+        s.f_frsize as u64
+    } else {
+        s.f_bsize as u64
+    };
+    let total = s.f_blocks as u64 * unit;
+    assert!(
+        (GIB..=2 * GIB).contains(&total),
+        "a 2 GiB image reports {total} bytes in total"
+    );
+
+    {
+        let mut f = File::create(m.path("big")).unwrap();
+        for i in 0..32u64 {
+            f.write_all(pattern(300 + i, MB)).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    let s2 = statfs(m.root()).unwrap();
+    assert_eq!(s2.f_blocks, s.f_blocks, "f_blocks does not change");
+    let used = (s.f_bfree as u64).saturating_sub(s2.f_bfree as u64) * unit;
+    assert!(
+        (24 * MIB..=96 * MIB).contains(&used),
+        "writing 32 MiB and fsync used {used} bytes of f_bfree"
+    );
+    let s3 = statfs(&m.path("big")).unwrap();
+    assert_eq!(s3.f_blocks, s.f_blocks, "statfs on a file in the mount");
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// persistence of a whole tree
+// ---------------------------------------------------------------------------
+
+#[derive(Debug, PartialEq, Eq)]
+struct Entry {
+    path: String,
+    kind: &'static str,
+    ino: u64,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    nlink: u64,
+    size: u64,
+    rdev: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+    content: Option<u64>,
+    target: Option<Vec<u8>>,
+    xattrs: Vec<(String, Vec<u8>)>,
+}
+
+fn digest(data: &[u8]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    h.write(data);
+    h.write_usize(data.len());
+    h.finish()
+}
+
+fn snapshot(root: &Path) -> Vec<Entry> {
+    fn walk(root: &Path, rel: &Path, out: &mut Vec<Entry>) {
+        let p = root.join(rel);
+        let md = lstat(&p);
+        let ft = md.file_type();
+        let kind = if ft.is_dir() {
+            "dir"
+        } else if ft.is_file() {
+            "file"
+        } else if ft.is_symlink() {
+            "symlink"
+        } else if ft.is_fifo() {
+            "fifo"
+        } else if ft.is_char_device() {
+            "chr"
+        } else if ft.is_block_device() {
+            "blk"
+        } else if ft.is_socket() {
+            "sock"
+        } else {
+            "?"
+        };
+        let xattrs = if ft.is_symlink() {
+            Vec::new()
+        } else {
+            listxattr(&p)
+                .unwrap()
+                .into_iter()
+                .map(|n| {
+                    let v = getxattr(&p, &n).unwrap();
+                    (n, v)
+                })
+                .collect()
+        };
+        out.push(Entry {
+            path: rel.to_string_lossy().into_owned(),
+            kind,
+            ino: md.ino(),
+            mode: md.mode(),
+            uid: md.uid(),
+            gid: md.gid(),
+            nlink: md.nlink(),
+            size: md.len(),
+            rdev: md.rdev(),
+            mtime: mtime(&md),
+            ctime: ctime(&md),
+            content: if ft.is_file() {
+                Some(digest(&fs::read(&p).unwrap()))
+            } else {
+                None
+            },
+            target: if ft.is_symlink() {
+                Some(fs::read_link(&p).unwrap().as_os_str().as_bytes().to_vec())
+            } else {
+                None
+            },
+            xattrs,
+        });
+        if ft.is_dir() {
+            for name in list_dir(&p) {
+                walk(root, &rel.join(name), out);
+            }
+        }
+    }
+    let mut v = Vec::new();
+    walk(root, Path::new(""), &mut v);
+    v
+}
+
+#[track_caller]
+fn assert_same_tree(before: &[Entry], after: &[Entry], when: &str) {
+    for (b, a) in before.iter().zip(after) {
+        assert_eq!(a, b, "{when}: entry differs");
+    }
+    assert_eq!(
+        after.len(),
+        before.len(),
+        "{when}: number of entries differs"
+    );
+}
+
+#[test]
+fn tree_persists_across_remount() {
+    let mut m = Mount::new();
+    let p = |s: &str| m.path(s);
+    for d in ["a", "a/b", "a/b/c", "e"] {
+        fs::create_dir(p(d)).unwrap();
+    }
+    fs::write(p("a/f1"), pattern(1, 100)).unwrap();
+    fs::write(p("a/b/f2"), pattern(2, 70_001)).unwrap();
+    File::create(p("a/b/c/f3")).unwrap();
+    fs::hard_link(p("a/f1"), p("a/b/c/hl")).unwrap();
+    {
+        let f = open_rw_create(&p("big"));
+        f.write_all_at(pattern(3, 2 * MB), 0).unwrap();
+        f.write_all_at(pattern(4, MB + 17), 2 * MIB).unwrap();
+        f.write_all_at(b"tail after a hole", 10 * MIB).unwrap();
+    }
+    symlink("a/f1", p("s1")).unwrap();
+    symlink("/nonexistent/absolute", p("s2")).unwrap();
+    symlink("x".repeat(1000), p("s3")).unwrap();
+    mkfifo(&p("fifo"), 0o600).unwrap();
+    mknod(&p("cdev"), libc::S_IFCHR | 0o640, makedev(10, 200)).unwrap();
+    chmod(&p("a/f1"), 0o4755).unwrap();
+    chmod(&p("a/b/f2"), 0o640).unwrap();
+    chown(&p("a/b/f2"), 65534, 65533).unwrap();
+    chmod(&p("a/b/c"), 0o750).unwrap();
+    chmod(&p("e"), 0o1777).unwrap();
+    lchown(&p("s1"), 7, 8).unwrap();
+    setxattr(&p("a/f1"), "user.one", b"1", 0).unwrap();
+    setxattr(&p("a/f1"), "user.two", &[0, 1, 2, 255], 0).unwrap();
+    setxattr(&p("a"), "user.dir", b"d", 0).unwrap();
+    utimens(&p("a/f1"), (1111, 1), (2222, 2)).unwrap();
+    utimens(&p("a/b"), (3333, 3), (4444, 4)).unwrap();
+
+    let before = snapshot(m.root());
+    assert_eq!(before.len(), 15, "entries in the tree: {:#?}", before);
+    m.remount();
+    let after = snapshot(m.root());
+    assert_same_tree(&before, &after, "after remount");
+    m.unmount();
+    m.mount_with(&["ro"]);
+    let after_ro = snapshot(m.root());
+    assert_same_tree(&before, &after_ro, "after a read-only mount");
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// the mount command
+// ---------------------------------------------------------------------------
+
+#[test]
+fn mount_rejects_unknown_options() {
+    let mut m = Mount::unmounted("2G");
+    for opts in [&["bogus"][..], &["commit=5", "bogus"][..]] {
+        let out = m.try_mount(opts);
+        assert!(
+            !out.status.success(),
+            "mount -o {:?} succeeded:\n{}",
+            opts,
+            describe(&out)
+        );
+        assert!(
+            !m.is_mounted() && !is_mounted_at(m.root()),
+            "mount -o {:?} mounted",
+            opts
+        );
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "expected one line on stderr, got {:?}", err);
+        assert!(
+            lines[0].contains("bogus"),
+            "the message should name the option: {:?}",
+            err
+        );
+    }
+    // valid options work
+    m.mount_with(&["commit=1"]);
+    fs::write(m.path("f"), b"committed").unwrap();
+    m.remount();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"committed");
+    m.unmount();
+}
+
+#[test]
+fn mount_refuses_an_image_that_is_already_mounted() {
+    let mut m = Mount::new();
+    fs::write(m.path("f"), b"first mount").unwrap();
+    let mnt2 = m.host_dir().join("mnt2");
+    fs::create_dir(&mnt2).unwrap();
+    let out = run(
+        Command::new(BIN).arg("mount").arg(m.image()).arg(&mnt2),
+        Duration::from_secs(60),
+    );
+    let second = is_mounted_at(&mnt2);
+    if second {
+        let _ = try_run(Command::new("umount").arg(&mnt2), Duration::from_secs(30));
+    }
+    assert!(
+        !out.status.success(),
+        "a second mount of the image succeeded:\n{}",
+        describe(&out)
+    );
+    assert!(!second, "the image got mounted twice");
+    assert!(!out.stderr.is_empty(), "no message for the refused mount");
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"first mount");
+    fs::write(m.path("g"), b"still works").unwrap();
+    m.remount();
+    assert_eq!(fs::read(m.path("g")).unwrap(), b"still works");
+    m.unmount();
+}
+
+#[test]
+fn mount_refuses_a_file_that_is_not_birchfs() {
+    let mut m = Mount::bare();
+    {
+        let f = File::create(m.image()).unwrap();
+        f.set_len(64 * MIB).unwrap();
+    }
+    let out = m.try_mount(&[]);
+    assert!(
+        !out.status.success(),
+        "mounting 64 MiB of zeros succeeded:\n{}",
+        describe(&out)
+    );
+    assert!(!m.is_mounted() && !is_mounted_at(m.root()));
+    assert!(!out.stderr.is_empty(), "no message for the refused mount");
+    let c = m.check();
+    assert_eq!(
+        c.status.code(),
+        Some(2),
+        "check of a non-birchfs file:\n{}",
+        describe(&c)
+    );
+    let data = fs::read(m.image()).unwrap();
+    assert_eq!(data.len() as u64, 64 * MIB);
+    assert!(
+        is_zero(&data),
+        "mount or check wrote to a file that is not theirs"
+    );
+}
+
+#[test]
+fn mkfs_refuses_an_existing_image_without_force() {
+    let mut m = Mount::new();
+    fs::write(m.path("keep"), b"precious").unwrap();
+    m.unmount();
+    let out = m.mkfs(&["--size", "2G"]);
+    assert!(
+        !out.status.success(),
+        "mkfs overwrote an image without --force:\n{}",
+        describe(&out)
+    );
+    assert!(!out.stderr.is_empty());
+    m.mount();
+    assert_eq!(fs::read(m.path("keep")).unwrap(), b"precious");
+    m.unmount();
+    let out = m.mkfs(&["--size", "2G", "--force"]);
+    assert!(
+        out.status.success(),
+        "mkfs --force failed:\n{}",
+        describe(&out)
+    );
+    let c = m.check();
+    assert_eq!(
+        c.status.code(),
+        Some(0),
+        "check after mkfs --force:\n{}",
+        describe(&c)
+    );
+    m.mount();
+    expect_errno(
+        fs::metadata(m.path("keep")),
+        libc::ENOENT,
+        "old file after mkfs --force",
+    );
+    assert!(
+        list_dir(m.root()).is_empty(),
+        "a fresh filesystem has an empty root"
+    );
+    m.unmount();
+}
+
+#[test]
+fn read_only_mount_refuses_writes() {
+    let mut m = Mount::new();
+    fs::write(m.path("f"), b"read me").unwrap();
+    fs::create_dir(m.path("d")).unwrap();
+    setxattr(&m.path("f"), "user.k", b"v", 0).unwrap();
+    m.unmount();
+    m.mount_with(&["ro"]);
+    let f = m.path("f");
+    assert_eq!(fs::read(&f).unwrap(), b"read me");
+    assert_eq!(getxattr(&f, "user.k").unwrap(), b"v");
+    assert_eq!(list_dir(m.root()), vec!["d", "f"]);
+    let erofs = libc::EROFS;
+    expect_errno(File::create(m.path("new")), erofs, "create");
+    expect_errno(
+        OpenOptions::new().write(true).open(&f),
+        erofs,
+        "open for writing",
+    );
+    expect_errno(
+        OpenOptions::new().append(true).open(&f),
+        erofs,
+        "open for appending",
+    );
+    expect_errno(fs::create_dir(m.path("d2")), erofs, "mkdir");
+    expect_errno(fs::remove_file(&f), erofs, "unlink");
+    expect_errno(fs::remove_dir(m.path("d")), erofs, "rmdir");
+    expect_errno(fs::rename(&f, m.path("g")), erofs, "rename");
+    expect_errno(symlink("f", m.path("l")), erofs, "symlink");
+    expect_errno(fs::hard_link(&f, m.path("h")), erofs, "link");
+    expect_errno(mkfifo(&m.path("p"), 0o644), erofs, "mkfifo");
+    expect_errno(chmod(&f, 0o600), erofs, "chmod");
+    expect_errno(chown(&f, 1, 1), erofs, "chown");
+    expect_errno(truncate(&f, 0), erofs, "truncate");
+    expect_errno(utimens(&f, (1, 0), (1, 0)), erofs, "utimensat");
+    expect_errno(setxattr(&f, "user.x", b"v", 0), erofs, "setxattr");
+    expect_errno(removexattr(&f, "user.k"), erofs, "removexattr");
+    m.unmount();
+    m.mount_with(&[]);
+    assert_eq!(list_dir(m.root()), vec!["d", "f"]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"read me");
+    assert_eq!(perm(stat(&m.path("f")).mode()), 0o666 & !current_umask());
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
+// scale and concurrency
+// ---------------------------------------------------------------------------
+
+#[test]
+fn directory_with_20000_entries() {
+    let mut m = Mount::new();
+    const N: usize = 20_000;
+    let d = m.path("big");
+    fs::create_dir(&d).unwrap();
+    let name = |i: usize| format!("file-{i:05}");
+    for i in 0..N {
+        File::create(d.join(name(i))).unwrap();
+    }
+    assert_eq!(stat(&d).nlink(), 2);
+    m.remount(); // cold caches: every stat below is a lookup in birchfs
+    let d = m.path("big");
+    let mut inos = HashSet::with_capacity(N);
+    for i in 0..N {
+        let s = lstat(&d.join(name(i)));
+        assert!(s.is_file());
+        assert_eq!(s.len(), 0);
+        assert!(inos.insert(s.ino()), "inode number {} used twice", s.ino());
+    }
+    for i in [N, N + 1, 99_999] {
+        expect_errno(
+            fs::symlink_metadata(d.join(name(i))),
+            libc::ENOENT,
+            "missing name",
+        );
+    }
+    let listed = list_dir(&d);
+    assert_eq!(listed.len(), N);
+    assert!(
+        listed.iter().enumerate().all(|(i, n)| *n == name(i)),
+        "listing differs"
+    );
+    for i in 0..N {
+        fs::remove_file(d.join(name(i))).unwrap();
+    }
+    assert!(list_dir(&d).is_empty());
+    assert_eq!(readdir_raw(&d).unwrap().len(), 2);
+    fs::remove_dir(&d).unwrap();
+    m.remount();
+    expect_errno(
+        fs::metadata(m.path("big")),
+        libc::ENOENT,
+        "removed directory",
+    );
+    m.unmount();
+}
+
+fn conc_key(t: usize, i: usize) -> u64 {
+    7_000_000 + (t * 1000 + i) as u64
+}
+
+fn conc_len(t: usize, i: usize) -> usize {
+    (mix64(conc_key(t, i)) % 20_000) as usize + 1
+}
+
+#[test]
+fn concurrent_create_write_fsync_delete() {
+    let mut m = Mount::new();
+    const THREADS: usize = 8;
+    const FILES: usize = 200;
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let dir = m.path(format!("t{t}"));
+            s.spawn(move || {
+                fs::create_dir(&dir).unwrap();
+                for i in 0..FILES {
+                    let mut f = File::create(dir.join(format!("f{i:03}"))).unwrap();
+                    f.write_all(pattern(conc_key(t, i), conc_len(t, i)))
+                        .unwrap();
+                    f.sync_all().unwrap();
+                }
+                for i in 0..FILES {
+                    let got = fs::read(dir.join(format!("f{i:03}"))).unwrap();
+                    assert_bytes_eq(
+                        &got,
+                        pattern(conc_key(t, i), conc_len(t, i)),
+                        0,
+                        "just written",
+                    );
+                }
+                for i in (0..FILES).step_by(2) {
+                    fs::remove_file(dir.join(format!("f{i:03}"))).unwrap();
+                }
+                File::open(&dir).unwrap().sync_all().unwrap();
+            });
+        }
+    });
+    let check = |m: &Mount| {
+        let mut dirs: Vec<String> = (0..THREADS).map(|t| format!("t{t}")).collect();
+        dirs.sort();
+        assert_eq!(list_dir(m.root()), dirs);
+        for t in 0..THREADS {
+            let dir = m.path(format!("t{t}"));
+            let want: Vec<String> = (1..FILES).step_by(2).map(|i| format!("f{i:03}")).collect();
+            assert_eq!(list_dir(&dir), want, "contents of t{t}");
+            for i in (1..FILES).step_by(2) {
+                let got = fs::read(dir.join(format!("f{i:03}"))).unwrap();
+                assert_bytes_eq(&got, pattern(conc_key(t, i), conc_len(t, i)), 0, "survivor");
+            }
+        }
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
