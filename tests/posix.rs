@@ -2090,9 +2090,9 @@ fn xattrs_set_get_list_remove_and_persist() {
         expect_errno(getxattr(&g, "user.binary"), libc::ENODATA, "removed xattr");
         let names = listxattr(&d).unwrap();
         assert_eq!(names.len(), 50);
-        for i in 0..50 {
+        for (i, got) in names.iter().enumerate() {
             let name = format!("user.n{i:02}");
-            assert_eq!(names[i], name);
+            assert_eq!(*got, name);
             assert_eq!(
                 getxattr(&d, &name).unwrap(),
                 format!("value {i}").as_bytes()

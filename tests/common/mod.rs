@@ -754,8 +754,8 @@ pub fn utimens(p: &Path, atime: (i64, i64), mtime: (i64, i64)) -> io::Result<()>
     utimensat(p, atime, mtime, 0)
 }
 
-pub const UTIME_NOW: i64 = libc::UTIME_NOW as i64;
-pub const UTIME_OMIT: i64 = libc::UTIME_OMIT as i64;
+pub const UTIME_NOW: i64 = libc::UTIME_NOW;
+pub const UTIME_OMIT: i64 = libc::UTIME_OMIT;
 
 pub fn fallocate(f: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: valid fd.
@@ -989,7 +989,7 @@ pub fn perm(mode: u32) -> u32 {
 }
 
 pub fn file_type_bits(mode: u32) -> u32 {
-    mode & libc::S_IFMT as u32
+    mode & libc::S_IFMT
 }
 
 /// (sec, nsec) pairs, for exact timestamp comparisons.
