@@ -102,7 +102,7 @@ impl World {
 
 fn split(p: &str) -> (&str, &[u8]) {
     let i = p.rfind('/').unwrap();
-    (&p[..=i], p[i + 1..].as_bytes())
+    (&p[..=i], &p.as_bytes()[i + 1..])
 }
 
 fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
@@ -128,7 +128,7 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
             let dir = DIRS[*d];
             let r = w
                 .fs()
-                .mkdir(w.ino("/"), dir[1..dir.len() - 1].as_bytes(), 0o755, cr);
+                .mkdir(w.ino("/"), &dir.as_bytes()[1..dir.len() - 1], 0o755, cr);
             if m.dirs.contains(dir) {
                 assert!(matches!(r, Err(Error::Exists)), "{r:?}");
             } else {
@@ -141,7 +141,7 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
             if !m.dirs.contains(dir) {
                 return;
             }
-            let r = w.fs().rmdir(w.ino("/"), dir[1..dir.len() - 1].as_bytes());
+            let r = w.fs().rmdir(w.ino("/"), &dir.as_bytes()[1..dir.len() - 1]);
             if m.dir_empty(dir) {
                 r.unwrap();
                 m.dirs.remove(dir);
