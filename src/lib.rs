@@ -20,6 +20,7 @@ mod error;
 pub mod format;
 mod fs;
 pub mod fuse;
+mod log;
 mod refs;
 mod stats;
 mod txn;

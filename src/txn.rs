@@ -29,6 +29,7 @@ use crate::format::{
     RootItem, Superblock, DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE,
     LOG_START, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
 };
+use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
 
 /// Nodes kept in the cache before clean ones are dropped.
@@ -51,6 +52,8 @@ pub(crate) struct Store {
     /// Newest generation whose superblock is durable: older clean nodes may be dropped.
     durable_gen: u64,
     pub(crate) readonly: bool,
+    /// Changes of the running transaction, for fsync (see `log`).
+    pub(crate) log: LogBuffer,
     /// Set when a commit failed: the trees in memory are ahead of the disk for good.
     pub(crate) failed: bool,
 }
@@ -159,6 +162,7 @@ impl Store {
             roots: BTreeMap::new(),
             written_roots: BTreeMap::new(),
             readonly: false,
+            log: LogBuffer::new(0),
             failed: false,
         }
     }
@@ -215,6 +219,7 @@ impl Store {
         let gen = sb.generation + 1;
         let mut s = Store::with(dev, sb.clone(), alloc, gen);
         s.readonly = readonly;
+        s.log = LogBuffer::new(sb.log_len);
         let root = Root {
             addr: sb.root_tree,
             level: sb.root_level,
@@ -299,6 +304,13 @@ impl Store {
 
     pub(crate) fn insert(&mut self, id: u64, key: Key, val: Vec<u8>) -> Result<()> {
         self.writable()?;
+        if id == tree::FS || id == tree::CSUM {
+            self.log.record(LogOp::Insert {
+                tree: id,
+                key,
+                val: val.clone(),
+            });
+        }
         let mut r = self.root(id);
         let res = btree::insert(self, &mut r, key, val);
         self.roots.insert(id, r);
@@ -307,6 +319,12 @@ impl Store {
 
     pub(crate) fn delete(&mut self, id: u64, key: &Key) -> Result<bool> {
         self.writable()?;
+        if id == tree::FS || id == tree::CSUM {
+            self.log.record(LogOp::Delete {
+                tree: id,
+                key: *key,
+            });
+        }
         let mut r = self.root(id);
         let res = btree::delete(self, &mut r, key);
         self.roots.insert(id, r);
@@ -331,6 +349,7 @@ impl Store {
 
     /// Queues a refcount change of a data extent.
     pub(crate) fn data_ref(&mut self, bytenr: u64, len: u64, delta: i64) {
+        self.log.record(LogOp::DataRef { bytenr, len, delta });
         self.refs.add(bytenr, len, EXTENT_FLAG_DATA, delta);
     }
 
@@ -397,8 +416,8 @@ impl Store {
 
     /// Brings every tree and the superblock to a state ready to write; the running
     /// generation advances. Called under the fs lock.
-    pub(crate) fn prepare_commit(&mut self) -> Result<CommitBatch> {
-        self.writable()?;
+    /// Runs delayed refs and root-item updates until neither queues anything new.
+    fn settle_trees(&mut self) -> Result<()> {
         loop {
             self.run_delayed_refs()?;
             let changed: Vec<(u64, Root)> = self
@@ -408,7 +427,7 @@ impl Store {
                 .map(|(id, r)| (*id, *r))
                 .collect();
             if changed.is_empty() && self.refs.is_empty() {
-                break;
+                return Ok(());
             }
             for (id, r) in changed {
                 let gen = self.read_node(r.addr)?.hdr.generation;
@@ -427,6 +446,16 @@ impl Store {
                 self.written_roots.insert(id, r);
             }
         }
+    }
+
+    pub(crate) fn prepare_commit(&mut self) -> Result<CommitBatch> {
+        self.writable()?;
+        self.log.commit_started();
+        // What commit itself changes (freed checksums, root items) is not logged.
+        let logging = std::mem::replace(&mut self.log.enabled, false);
+        let r = self.settle_trees();
+        self.log.enabled = logging;
+        r?;
         let root = self.root(tree::ROOT);
         self.written_roots.insert(tree::ROOT, root);
         let node_size = self.sb.node_size as usize;
@@ -486,10 +515,26 @@ impl Store {
         Ok(())
     }
 
+    /// Writes one log batch and flushes. No lock is held.
+    pub(crate) fn write_log(
+        dev: &dyn BlockDev,
+        stats: &Stats,
+        log_start: u64,
+        batch: &crate::log::Batch,
+    ) -> Result<()> {
+        dev.write_at(&batch.buf, log_start + batch.offset)?;
+        dev.flush()?;
+        Stats::add(&stats.dev_log_bytes, batch.buf.len() as u64);
+        Stats::add(&stats.flushes, 1);
+        Stats::add(&stats.log_commits, 1);
+        Ok(())
+    }
+
     /// Releases what the durable commit freed. Called under the fs lock.
     pub(crate) fn finish_commit(&mut self, batch: CommitBatch) {
         self.alloc.unpin(batch.pinned);
         self.durable_gen = batch.generation;
+        self.log.commit_done();
         self.evict_clean();
     }
 

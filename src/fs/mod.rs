@@ -154,6 +154,8 @@ impl Fs {
             next_ino: 0,
             pins: HashMap::new(),
         };
+        let replayed = inner.replay_log()?;
+        inner.store.log.enabled = !opts.readonly;
         inner.next_ino = inner.find_next_ino()?;
         let fs = Fs {
             inner: Mutex::new(inner),
@@ -166,6 +168,8 @@ impl Fs {
             let n = fs.inner.lock().free_orphans()?;
             if n > 0 {
                 tracing::info!("freed {n} orphan inodes");
+            }
+            if n > 0 || replayed > 0 {
                 fs.commit()?;
             }
         }
@@ -203,6 +207,11 @@ impl Fs {
     /// Makes everything done so far durable (a full commit).
     pub fn commit(&self) -> Result<()> {
         let _c = self.commit_lock.lock();
+        self.commit_locked()
+    }
+
+    /// A full commit; the caller holds `commit_lock`.
+    fn commit_locked(&self) -> Result<()> {
         let t0 = std::time::Instant::now();
         let batch = {
             let mut g = self.inner.lock();
@@ -222,23 +231,63 @@ impl Fs {
     }
 
     /// fsync/fdatasync of `ino`: its data, attributes and names survive a crash.
-    pub fn fsync(&self, _ino: u64, _datasync: bool) -> Result<()> {
+    ///
+    /// Returns at once when every change of `ino` is already durable; otherwise writes
+    /// the pending log records (every operation's, in order) as one batch and flushes.
+    /// fsyncs that arrive while a batch is written wait for the lock and usually find
+    /// their records already durable (group commit).
+    pub fn fsync(&self, ino: u64, _datasync: bool) -> Result<()> {
         Stats::add(&self.stats.fsyncs, 1);
         if self.opts.readonly {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
-        let dirty = self.inner.lock().store.has_changes();
-        let r = if !dirty {
-            // A commit that holds commit_lock may still be writing our changes.
-            let _c = self.commit_lock.lock();
-            Stats::add(&self.stats.fsyncs_noop, 1);
-            Ok(())
-        } else {
-            self.commit()
+        let target = {
+            let g = self.inner.lock();
+            if g.store.log.overflow {
+                Some(u64::MAX)
+            } else {
+                g.store.log.target(ino)
+            }
+        };
+        let r = match target {
+            None => {
+                Stats::add(&self.stats.fsyncs_noop, 1);
+                Ok(())
+            }
+            Some(t) => self.log_sync(t),
         };
         self.stats.fsync_latency.record(t0.elapsed());
         r
+    }
+
+    /// Makes every record up to `target` durable: one log batch, or a full commit when
+    /// the log cannot take it.
+    fn log_sync(&self, target: u64) -> Result<()> {
+        let _c = self.commit_lock.lock();
+        let (batch, log_start) = {
+            let mut g = self.inner.lock();
+            if g.store.log.durable_lsn >= target {
+                return Ok(());
+            }
+            let (fsid, gen) = (g.store.sb.fsid, g.store.generation);
+            match g.store.log.take_batch(&fsid, gen) {
+                Some(b) => (b, g.store.sb.log_start),
+                None => {
+                    drop(g);
+                    Stats::add(&self.stats.fallbacks, 1);
+                    return self.commit_locked();
+                }
+            }
+        };
+        if let Err(e) = Store::write_log(self.dev.as_ref(), &self.stats, log_start, &batch) {
+            // Later batches would sit behind a damaged one: commit instead from now on.
+            tracing::error!("log write failed: {e}");
+            self.inner.lock().store.log.overflow = true;
+            return Err(e);
+        }
+        self.inner.lock().store.log.batch_done(batch.end_lsn);
+        Ok(())
     }
 
     /// Commits and releases the device; the same as dropping `Fs` but reports errors.
@@ -463,6 +512,53 @@ impl Inner {
 
     fn pinned(&self, ino: u64) -> bool {
         self.pins.contains_key(&ino)
+    }
+
+    /// Applies the log batches of the running generation (what was fsynced after the
+    /// last commit) to the trees; returns how many. See `log`.
+    fn replay_log(&mut self) -> Result<usize> {
+        let st = &mut self.store;
+        let mut area = vec![0u8; st.sb.log_len as usize];
+        st.dev.read_at(&mut area, st.sb.log_start)?;
+        let dev = st.dev.clone();
+        let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr).is_ok();
+        let batches: Vec<_> = crate::log::parse(&area, &st.sb.fsid, st.generation)
+            .into_iter()
+            .take_while(|b| crate::log::data_landed(b, &mut read))
+            .collect();
+        if batches.is_empty() {
+            return Ok(0);
+        }
+        // Data the log names is in use before any replayed change allocates a node.
+        for op in batches.iter().flatten() {
+            if let crate::log::LogOp::DataRef { bytenr, len, delta } = op {
+                if *delta > 0 {
+                    st.alloc.mark_used(*bytenr, *len);
+                }
+            }
+        }
+        let ro = std::mem::replace(&mut st.readonly, false);
+        st.log.enabled = false;
+        let r = (|| {
+            for op in batches.iter().flatten() {
+                match op {
+                    crate::log::LogOp::Insert { tree, key, val } => {
+                        st.insert(*tree, *key, val.clone())?
+                    }
+                    crate::log::LogOp::Delete { tree, key } => {
+                        st.delete(*tree, key)?;
+                    }
+                    crate::log::LogOp::DataRef { bytenr, len, delta } => {
+                        st.data_ref(*bytenr, *len, *delta)
+                    }
+                }
+            }
+            Ok::<(), crate::Error>(())
+        })();
+        st.readonly = ro;
+        r?;
+        tracing::info!("replayed {} log batches", batches.len());
+        Ok(batches.len())
     }
 
     fn find_next_ino(&mut self) -> Result<u64> {
