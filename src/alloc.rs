@@ -140,6 +140,11 @@ impl Allocator {
         Ok((s, take))
     }
 
+    /// Returns space that was allocated but never referenced (a failed operation).
+    pub(crate) fn release_unused(&mut self, start: u64, len: u64) {
+        self.add_free(start, len);
+    }
+
     /// Frees an extent once the running generation is durable.
     pub(crate) fn pin(&mut self, start: u64, len: u64) {
         self.pinned.push((start, len));

@@ -27,7 +27,7 @@ mod txn;
 
 pub use error::{Error, Result};
 pub use fs::{
-    Attr, Creds, DirEntryOut, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr,
-    StatFs, TimeSet, ROOT_INO,
+    Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions, Options,
+    RenameFlags, SetAttr, StatFs, TimeSet, ROOT_INO,
 };
 pub use stats::{Histogram, LatencySummary, Stats, StatsSnapshot};

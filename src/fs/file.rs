@@ -63,6 +63,21 @@ impl Inner {
         Ok(out)
     }
 
+    /// The file's extents as (file offset, disk address, length, preallocated).
+    pub(crate) fn extent_map(&mut self, ino: u64) -> Result<Vec<super::ExtentInfo>> {
+        self.check_file(ino)?;
+        Ok(self
+            .extents_in(ino, 0, u64::MAX >> 1)?
+            .into_iter()
+            .map(|(off, fe)| super::ExtentInfo {
+                offset: off,
+                disk_addr: fe.disk_bytenr.get() + fe.offset.get(),
+                len: fe.num_bytes.get(),
+                prealloc: fe.kind == FILE_EXTENT_PREALLOC,
+            })
+            .collect())
+    }
+
     fn check_file(&mut self, ino: u64) -> Result<InodeItem> {
         let i = self.get_inode(ino)?;
         match i.mode.get() & libc::S_IFMT {
@@ -176,18 +191,43 @@ impl Inner {
         Ok(freed)
     }
 
-    /// Writes whole blocks `buf` at block-aligned `off`, copy-on-write.
+    /// Writes whole blocks `buf` at block-aligned `off`, copy-on-write. All space is
+    /// allocated before the old mapping is dropped, so ENOSPC leaves the file as it was.
     fn write_blocks(&mut self, ino: u64, i: &mut InodeItem, off: u64, buf: &[u8]) -> Result<()> {
         let end = off + buf.len() as u64;
+        let mut got_space: Vec<(u64, u64)> = Vec::new();
+        let mut need = buf.len() as u64;
+        while need > 0 {
+            match self.store.alloc_data(need.min(MAX_EXTENT_SIZE)) {
+                Ok((a, l)) => {
+                    got_space.push((a, l));
+                    need -= l;
+                }
+                Err(e) => {
+                    for (a, l) in got_space {
+                        self.store.alloc.release_unused(a, l);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let mut pos = 0usize;
+        for &(addr, got) in &got_space {
+            let chunk = &buf[pos..pos + got as usize];
+            if let Err(e) = self.store.dev.write_at(chunk, addr) {
+                for &(a, l) in &got_space {
+                    self.store.alloc.release_unused(a, l);
+                }
+                return Err(e.into());
+            }
+            Stats::add(&self.store.stats.dev_data_bytes, got);
+            pos += got as usize;
+        }
         let dropped = self.drop_range(ino, off, end)?;
         let mut nbytes = i.nbytes.get().saturating_sub(dropped);
         let mut pos = 0usize;
-        while pos < buf.len() {
-            let want = ((buf.len() - pos) as u64).min(MAX_EXTENT_SIZE);
-            let (addr, got) = self.store.alloc_data(want)?;
+        for (addr, got) in got_space {
             let chunk = &buf[pos..pos + got as usize];
-            self.store.dev.write_at(chunk, addr)?;
-            Stats::add(&self.store.stats.dev_data_bytes, got);
             let sums: Vec<u8> = chunk
                 .chunks(BS as usize)
                 .flat_map(|b| csum(b).to_le_bytes())

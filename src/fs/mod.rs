@@ -17,7 +17,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::dev::{BlockDev, FileDev};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::format::{objectid, tree, Key};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
@@ -108,13 +108,26 @@ pub struct FallocMode {
     pub punch_hole: bool,
 }
 
+/// One mapped range of a file (like FIEMAP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExtentInfo {
+    /// Offset in the file.
+    pub offset: u64,
+    /// Device byte address of the first byte.
+    pub disk_addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Allocated by fallocate and never written (reads as zeros).
+    pub prealloc: bool,
+}
+
 /// The root directory's inode number.
 pub const ROOT_INO: u64 = objectid::ROOT_DIR;
 
 pub(crate) struct Inner {
     pub(crate) store: Store,
     next_ino: u64,
-    /// Inodes held by the user of the API (FUSE lookups plus open handles).
+    /// Open handles per inode: an unlinked inode lives until its last one closes.
     pins: HashMap<u64, u64>,
 }
 
@@ -190,6 +203,26 @@ impl Fs {
     /// Counters of fsyncs, commits and device traffic.
     pub fn stats(&self) -> StatsSnapshot {
         self.stats.snapshot()
+    }
+
+    /// Like `with`, for operations that need space: on ENOSPC while a commit could
+    /// free space (frees are only released by a commit), commits and tries once more.
+    /// Such operations check for room before they change anything.
+    fn with_space<T>(&self, f: impl Fn(&mut Inner) -> Result<T>) -> Result<T> {
+        match self.with(&f) {
+            Err(Error::NoSpace) if self.space_may_come_back() => {
+                self.commit()?;
+                self.with(f)
+            }
+            r => r,
+        }
+    }
+
+    /// Whether a commit could free space: changes not yet committed, or frees waiting
+    /// for a commit in flight (its `commit()` waits for that one to finish).
+    fn space_may_come_back(&self) -> bool {
+        let g = self.inner.lock();
+        g.store.has_changes() || g.store.alloc.pinned_bytes() > 0
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut Inner) -> Result<T>) -> Result<T> {
@@ -298,16 +331,18 @@ impl Fs {
         Ok(())
     }
 
-    /// Looks `name` up in directory `parent`; pins the inode once (see [`Fs::forget`]).
+    /// Looks `name` up in directory `parent`.
+    ///
+    /// Lookups do not keep an inode alive: an inode whose last name goes away is freed
+    /// at once unless it is open ([`Fs::open_ino`]). The kernel may still hold the inode
+    /// number in its caches; requests on it then get ENOENT, as for any deleted file.
+    /// Waiting for the kernel's FORGET instead would keep the space of deleted files
+    /// unusable for as long as the kernel likes, which a full disk cannot afford.
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
-        self.with(|i| {
-            let a = i.lookup(parent, name)?;
-            i.pin(a.ino, 1);
-            Ok(a)
-        })
+        self.with(|i| i.lookup(parent, name))
     }
 
-    /// Looks up without pinning (library use).
+    /// Same as [`Fs::lookup`] (kept for callers that name the intent).
     pub fn lookup_nopin(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         self.with(|i| i.lookup(parent, name))
     }
@@ -323,12 +358,8 @@ impl Fs {
         })
     }
 
-    /// Drops `n` pins of `ino` (FUSE forget); frees it if unlinked and unpinned.
-    pub fn forget(&self, ino: u64, n: u64) {
-        if let Err(e) = self.with(|i| i.unpin(ino, n)) {
-            tracing::warn!("forget of {ino}: {e}");
-        }
-    }
+    /// The kernel forgot `n` lookups of `ino`: nothing to do (see [`Fs::lookup`]).
+    pub fn forget(&self, _ino: u64, _n: u64) {}
 
     /// Pins `ino` for an open handle; `release` drops it.
     pub fn open_ino(&self, ino: u64) -> Result<Attr> {
@@ -351,22 +382,24 @@ impl Fs {
 
     /// Changes attributes; size changes truncate or extend the file.
     pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
-        self.with(|i| i.setattr(ino, set))
+        self.with_space(|i| i.setattr(ino, set))
     }
 
     /// Creates a node (file, fifo, device, socket) named `name` in `parent`.
     pub fn mknod(&self, parent: u64, name: &[u8], mode: u32, rdev: u64, cr: Creds) -> Result<Attr> {
-        self.with(|i| i.create_node(parent, name, mode, rdev, cr, None))
+        self.with_space(|i| i.create_node(parent, name, mode, rdev, cr, None))
     }
 
     /// Creates a directory.
     pub fn mkdir(&self, parent: u64, name: &[u8], mode: u32, cr: Creds) -> Result<Attr> {
-        self.with(|i| i.create_node(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, cr, None))
+        self.with_space(|i| {
+            i.create_node(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, cr, None)
+        })
     }
 
     /// Creates a symlink to `target`.
     pub fn symlink(&self, parent: u64, name: &[u8], target: &[u8], cr: Creds) -> Result<Attr> {
-        self.with(|i| i.create_node(parent, name, libc::S_IFLNK | 0o777, 0, cr, Some(target)))
+        self.with_space(|i| i.create_node(parent, name, libc::S_IFLNK | 0o777, 0, cr, Some(target)))
     }
 
     /// The target of a symlink.
@@ -376,7 +409,7 @@ impl Fs {
 
     /// Adds a name for `ino` in `parent`.
     pub fn link(&self, ino: u64, parent: u64, name: &[u8]) -> Result<Attr> {
-        self.with(|i| i.link(ino, parent, name))
+        self.with_space(|i| i.link(ino, parent, name))
     }
 
     /// Removes a non-directory name.
@@ -398,7 +431,7 @@ impl Fs {
         newname: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
-        self.with(|i| i.rename(parent, name, newparent, newname, flags))
+        self.with_space(|i| i.rename(parent, name, newparent, newname, flags))
     }
 
     /// Directory entries after `offset` (0 to start), at most `max` of them.
@@ -413,14 +446,19 @@ impl Fs {
 
     /// Writes `data` at `offset`; returns the bytes written.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
-        let n = self.with(|i| i.write(ino, offset, data))?;
+        let n = self.with_space(|i| i.write(ino, offset, data))?;
         Stats::add(&self.stats.user_bytes, n as u64);
         Ok(n)
     }
 
+    /// Where a file's data lives on the device, in file order (holes are absent).
+    pub fn extent_map(&self, ino: u64) -> Result<Vec<ExtentInfo>> {
+        self.with(|i| i.extent_map(ino))
+    }
+
     /// Allocates, or with `punch_hole` deallocates, a range.
     pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: FallocMode) -> Result<()> {
-        self.with(|i| i.fallocate(ino, offset, len, mode))
+        self.with_space(|i| i.fallocate(ino, offset, len, mode))
     }
 
     /// Space and inode counts.
@@ -448,7 +486,7 @@ impl Fs {
         create: bool,
         replace: bool,
     ) -> Result<()> {
-        self.with(|i| i.setxattr(ino, name, value, create, replace))
+        self.with_space(|i| i.setxattr(ino, name, value, create, replace))
     }
 
     /// The value of an extended attribute.

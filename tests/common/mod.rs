@@ -514,6 +514,57 @@ impl Mount {
         );
     }
 
+    /// Unmounts and waits for the daemon, without asserting that check is clean;
+    /// returns check's output.
+    #[track_caller]
+    pub fn unmount_unchecked(&mut self) -> Output {
+        assert!(self.mounted, "unmount: not mounted");
+        if let Some(failure) = self.umount_command(Duration::from_secs(10)) {
+            panic!("umount {} failed:\n{}", self.mnt.display(), failure);
+        }
+        self.mounted = false;
+        if let Err(e) = self.wait_gone() {
+            panic!("{}\n{}", e, self.latest_log_tail());
+        }
+        self.check()
+    }
+
+    /// kill -9 of the daemon (a crash of the process, not of the machine), then
+    /// detaches the dead mount.
+    #[track_caller]
+    pub fn kill_daemon(&mut self) {
+        let pids = processes_naming(&self.img);
+        assert!(!pids.is_empty(), "no daemon to kill");
+        for p in &pids {
+            // SAFETY: kill on a pid we found in /proc.
+            unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+        }
+        let img = self.img.clone();
+        assert!(
+            wait_until(GONE_TIMEOUT, || processes_naming(&img).is_empty()),
+            "daemon survived SIGKILL"
+        );
+        let _ = try_run(
+            Command::new("fusermount3")
+                .arg("-u")
+                .arg("-z")
+                .arg(&self.mnt),
+            UMOUNT_TIMEOUT,
+        );
+        if is_mounted_at(&self.mnt) {
+            let _ = try_run(
+                Command::new("umount").arg("-l").arg(&self.mnt),
+                UMOUNT_TIMEOUT,
+            );
+        }
+        let mnt = self.mnt.clone();
+        assert!(
+            wait_until(GONE_TIMEOUT, || !is_mounted_at(&mnt)),
+            "dead mount not detached"
+        );
+        self.mounted = false;
+    }
+
     /// Unmount (with check) and mount again with the same options.
     #[track_caller]
     pub fn remount(&mut self) {

@@ -1,0 +1,348 @@
+//! Faults through a real mount: kill -9 of the daemon during fsyncs, corrupted data
+//! and metadata, a full disk, and many threads at once.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn content(t: usize, i: usize, gen: usize) -> Vec<u8> {
+    (0..(4096 + (i * 977 + t * 131) % 9000))
+        .map(|k| (k * 31 + t * 7 + i * 13 + gen) as u8)
+        .collect()
+}
+
+fn long() -> bool {
+    std::env::var("BIRCHFS_LONG").is_ok()
+}
+
+#[test]
+fn kill_9_during_fsyncs_loses_nothing_acknowledged() {
+    let mut m = Mount::new();
+    for round in 0..3 {
+        let acked: Arc<Mutex<BTreeMap<(usize, usize), usize>>> = Arc::default();
+        let tried: Arc<Mutex<BTreeMap<(usize, usize), usize>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut hs = Vec::new();
+        for t in 0..4 {
+            let dir = m.path(format!("r{round}t{t}"));
+            fs::create_dir(&dir).unwrap();
+            let (acked, tried, stop) = (acked.clone(), tried.clone(), stop.clone());
+            hs.push(std::thread::spawn(move || {
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    // New files, and overwrites of an earlier one.
+                    let (idx, gen) = if i % 3 == 2 { (i / 2, i) } else { (i, 0) };
+                    let p = dir.join(format!("f{idx}"));
+                    tried.lock().unwrap().insert((t, idx), gen);
+                    let r = (|| -> std::io::Result<()> {
+                        let mut f = OpenOptions::new()
+                            .create(true)
+                            .write(true)
+                            .truncate(true)
+                            .open(&p)?;
+                        f.write_all(&content(t, idx, gen))?;
+                        f.sync_all()?;
+                        if i % 5 == 4 {
+                            File::open(&dir)?.sync_all()?;
+                        }
+                        Ok(())
+                    })();
+                    if r.is_err() {
+                        break;
+                    }
+                    acked.lock().unwrap().insert((t, idx), gen);
+                    i += 1;
+                }
+            }));
+        }
+        std::thread::sleep(Duration::from_millis(700 + 400 * round as u64));
+        m.kill_daemon();
+        stop.store(true, Ordering::Relaxed);
+        for h in hs {
+            h.join().unwrap();
+        }
+        m.mount();
+        let acked = acked.lock().unwrap();
+        let tried = tried.lock().unwrap();
+        assert!(
+            acked.len() > 10,
+            "workload made too little progress: {}",
+            acked.len()
+        );
+        for (&(t, idx), &gen) in acked.iter() {
+            let p = m.path(format!("r{round}t{t}/f{idx}"));
+            let got = fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            // A later attempt that was not acknowledged (O_TRUNC, then pages written
+            // back in any order) may have been made durable by another thread's fsync:
+            // then each block holds that attempt's data or zeros.
+            let later = tried[&(t, idx)];
+            let partial_later = later != gen && {
+                let want = content(t, idx, later);
+                got.len() <= want.len()
+                    && got
+                        .chunks(4096)
+                        .zip(want.chunks(4096))
+                        .all(|(g, w)| g == &w[..g.len()] || g.iter().all(|&b| b == 0))
+            };
+            assert!(
+                got == content(t, idx, gen) || partial_later,
+                "{} ({} bytes) holds neither its fsynced content nor a part of a later attempt",
+                p.display(),
+                got.len()
+            );
+        }
+        m.remount();
+    }
+    m.unmount();
+}
+
+/// The image offset of the first data block of `rel`, found through the library.
+fn first_block(m: &Mount, rel: &str) -> u64 {
+    let fs = birchfs::Fs::open_path(
+        m.image(),
+        birchfs::Options {
+            readonly: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let a = fs.resolve(rel).unwrap();
+    fs.extent_map(a.ino).unwrap()[0].disk_addr
+}
+
+fn flip(image: &std::path::Path, at: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(image)
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 0x10;
+    f.write_all_at(&b, at).unwrap();
+}
+
+#[test]
+fn corrupted_data_block_reads_as_eio_and_the_rest_stays_readable() {
+    let mut m = Mount::new();
+    fs::write(m.path("bad"), vec![0x5a; 64 << 10]).unwrap();
+    fs::write(m.path("good"), vec![0xa5; 64 << 10]).unwrap();
+    m.unmount();
+    let addr = first_block(&m, "/bad");
+    flip(m.image(), addr + 100);
+    let out = m.check();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "check must report the block: {}",
+        describe(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("checksum mismatch"),
+        "{}",
+        describe(&out)
+    );
+    m.mount();
+    let mut buf = Vec::new();
+    let e = File::open(m.path("bad"))
+        .unwrap()
+        .read_to_end(&mut buf)
+        .unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO));
+    assert_eq!(fs::read(m.path("good")).unwrap(), vec![0xa5; 64 << 10]);
+    fs::write(m.path("new"), b"still writable").unwrap();
+    assert_eq!(fs::read(m.path("new")).unwrap(), b"still writable");
+    let out = m.unmount_unchecked();
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
+fn corrupted_tree_node_is_refused_and_the_daemon_survives() {
+    let mut m = Mount::new();
+    fs::create_dir(m.path("big")).unwrap();
+    for i in 0..3000 {
+        File::create(m.path(format!("big/entry-with-a-long-name-{i:05}"))).unwrap();
+    }
+    fs::write(m.path("keep"), b"keep me").unwrap();
+    m.unmount();
+    // Find an fs-tree leaf that holds only DIR_INDEX items of /big: readdir walks them.
+    let dump = birchfs(["dump", "--tree", "fs", m.image().to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&dump.stdout).to_string();
+    let big_ino = {
+        let fs = birchfs::Fs::open_path(
+            m.image(),
+            birchfs::Options {
+                readonly: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        fs.resolve("/big").unwrap().ino
+    };
+    let mut victim = None;
+    let mut cur: Option<(u64, bool)> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(rest) = line.strip_prefix("leaf 0x") {
+            if let Some((a, true)) = cur {
+                victim = Some(a);
+                break;
+            }
+            cur = Some((
+                u64::from_str_radix(rest.split_whitespace().next().unwrap(), 16).unwrap(),
+                true,
+            ));
+        } else if let Some(k) = line.strip_prefix("key (") {
+            let mut f = k.split_whitespace();
+            let obj: u64 = f.next().unwrap().parse().unwrap();
+            let ty: u8 = f.next().unwrap().parse().unwrap();
+            if let Some((_, only)) = cur.as_mut() {
+                *only &= obj == big_ino && ty == 96;
+            }
+        }
+    }
+    let victim = victim.expect("a leaf of /big entries");
+    flip(m.image(), victim + 300);
+    let out = m.check();
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    m.mount();
+    let listed = fs::read_dir(m.path("big")).and_then(|rd| rd.collect::<std::io::Result<Vec<_>>>());
+    let e = listed
+        .map(|v| v.len())
+        .expect_err("listing through a damaged node must fail");
+    assert_eq!(e.raw_os_error(), Some(libc::EIO));
+    assert_eq!(fs::read(m.path("keep")).unwrap(), b"keep me");
+    assert!(
+        fs::metadata(m.path("big")).is_ok(),
+        "the directory's inode is elsewhere"
+    );
+    let out = m.unmount_unchecked();
+    assert_eq!(out.status.code(), Some(1));
+}
+
+#[test]
+fn full_disk_gives_enospc_keeps_data_and_still_deletes() {
+    let mut m = Mount::with_size("64M");
+    fs::write(m.path("keep"), vec![7u8; 1 << 20]).unwrap();
+    fs::create_dir(m.path("d")).unwrap();
+    File::create(m.path("d/x")).unwrap();
+    let mut f = File::create(m.path("fill")).unwrap();
+    let chunk = vec![1u8; 256 << 10];
+    let mut written = 0u64;
+    let err = loop {
+        match f.write_all(&chunk).and_then(|_| {
+            if written % (8 << 20) == 0 {
+                f.sync_data()
+            } else {
+                Ok(())
+            }
+        }) {
+            Ok(()) => written += chunk.len() as u64,
+            Err(e) => break e,
+        }
+        assert!(written < 128 << 20, "64M filesystem took more than 128 MiB");
+    };
+    let err = f.sync_all().err().unwrap_or(err);
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    drop(f);
+    assert!(written > 16 << 20, "only {written} bytes fit");
+    assert_eq!(fs::read(m.path("keep")).unwrap(), vec![7u8; 1 << 20]);
+    fs::remove_file(m.path("d/x")).unwrap();
+    fs::remove_dir(m.path("d")).unwrap();
+    fs::remove_file(m.path("fill")).unwrap();
+    File::open(m.root()).unwrap().sync_all().unwrap();
+    fs::write(m.path("again"), vec![9u8; 16 << 20]).unwrap();
+    File::open(m.path("again")).unwrap().sync_all().unwrap();
+    m.remount();
+    assert_eq!(fs::read(m.path("again")).unwrap().len(), 16 << 20);
+    m.unmount();
+}
+
+#[test]
+fn sixteen_threads_of_mixed_work_then_check_and_model_agree() {
+    let secs = if long() { 180 } else { 8 };
+    let mut m = Mount::new();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut hs = Vec::new();
+    for t in 0..16 {
+        let dir = m.path(format!("t{t}"));
+        fs::create_dir(&dir).unwrap();
+        hs.push(std::thread::spawn(move || {
+            let mut model: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+            let mut i = 0usize;
+            while Instant::now() < deadline {
+                let name = format!("f{}", i % 40);
+                let p = dir.join(&name);
+                match i % 7 {
+                    0..=2 => {
+                        let data = content(t, i, 0);
+                        fs::write(&p, &data).unwrap();
+                        if i % 2 == 0 {
+                            File::open(&p).unwrap().sync_all().unwrap();
+                        }
+                        model.insert(name, data);
+                    }
+                    3 => {
+                        let to = format!("f{}", (i * 7) % 40);
+                        if model.contains_key(&name) && to != name {
+                            fs::rename(&p, dir.join(&to)).unwrap();
+                            let d = model.remove(&name).unwrap();
+                            model.insert(to, d);
+                        }
+                    }
+                    4 => {
+                        if model.remove(&name).is_some() {
+                            fs::remove_file(&p).unwrap();
+                        }
+                    }
+                    5 => {
+                        if let Some(d) = model.get_mut(&name) {
+                            let f = OpenOptions::new().write(true).open(&p).unwrap();
+                            let off = (i % 3000) as u64;
+                            f.write_all_at(b"xyz", off).unwrap();
+                            if d.len() < off as usize + 3 {
+                                d.resize(off as usize + 3, 0);
+                            }
+                            d[off as usize..off as usize + 3].copy_from_slice(b"xyz");
+                            f.sync_data().unwrap();
+                        }
+                    }
+                    _ => {
+                        File::open(&dir).unwrap().sync_all().unwrap();
+                    }
+                }
+                i += 1;
+            }
+            (dir, model, i)
+        }));
+    }
+    let results: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    let ops: usize = results.iter().map(|r| r.2).sum();
+    eprintln!("load: 16 threads, {secs} s, {ops} operations");
+    m.remount();
+    for (dir, model, _) in &results {
+        let on_disk: BTreeMap<String, Vec<u8>> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().into_string().unwrap(),
+                    fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        assert!(
+            on_disk == *model,
+            "{} differs from its model",
+            dir.display()
+        );
+    }
+    m.unmount();
+}
