@@ -371,6 +371,14 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
             ));
             continue;
         }
+        if l > crate::format::MAX_EXTENT_SIZE
+            || b.checked_add(l).is_none_or(|e| e > w.sb.total_bytes)
+        {
+            w.problem(format!(
+                "data extent {b:#x}+{l} is too large or outside the device"
+            ));
+            continue;
+        }
         let mut buf = vec![0u8; l as usize];
         if dev.read_at(&mut buf, b).is_err() {
             w.problem(format!("data extent {b:#x}: read error"));

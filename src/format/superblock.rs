@@ -138,6 +138,22 @@ impl Superblock {
         {
             return Err(bad("unsupported block or node size"));
         }
+        // A checksum proves the block was written whole, not that a writer was honest:
+        // every field that sizes an allocation or bounds a loop is checked here.
+        let data_start = sb.log_start.checked_add(sb.log_len);
+        if sb.total_bytes < super::MIN_DEVICE_SIZE
+            || sb.log_start != super::LOG_START
+            || sb.log_len % super::BLOCK_SIZE != 0
+            || sb.log_len > (64 << 20)
+            || data_start.is_none_or(|d| d >= sb.total_bytes)
+            || sb.root_tree % super::BLOCK_SIZE != 0
+            || sb.root_tree < data_start.unwrap_or(u64::MAX)
+            || sb.root_tree.saturating_add(sb.node_size as u64) > sb.total_bytes
+            || sb.root_level > 8
+            || sb.bytes_used > sb.total_bytes
+        {
+            return Err(bad("fields out of range"));
+        }
         Ok(sb)
     }
 }
@@ -168,6 +184,26 @@ mod tests {
         let sb = sample();
         let buf = sb.encode(65536);
         assert_eq!(Superblock::decode(&buf, 65536).unwrap(), sb);
+    }
+
+    #[test]
+    fn well_checksummed_but_hostile_fields_are_refused() {
+        let cases: [fn(&mut Superblock); 6] = [
+            |s| s.log_len = 1 << 40,
+            |s| s.log_len = 4095,
+            |s| s.total_bytes = 1 << 20,
+            |s| s.root_tree = 4096,
+            |s| s.root_tree = u64::MAX - 4095,
+            |s| s.root_level = 200,
+        ];
+        for (i, f) in cases.iter().enumerate() {
+            let mut sb = sample();
+            f(&mut sb);
+            assert!(
+                Superblock::decode(&sb.encode(65536), 65536).is_err(),
+                "case {i}"
+            );
+        }
     }
 
     #[test]

@@ -114,7 +114,12 @@ impl Inner {
             // Whole blocks of the disk extent that hold [s, e).
             let bs = (s - foff) / BS * BS;
             let be = round_up(e - foff);
-            let disk = fe.disk_bytenr.get() + fe.offset.get();
+            let disk = fe
+                .disk_bytenr
+                .get()
+                .checked_add(fe.offset.get())
+                .filter(|d| fe.offset.get() < fe.disk_len.get() && d.checked_add(be).is_some())
+                .ok_or_else(|| Error::corrupt("file extent", ino, "points outside the device"))?;
             let mut buf = vec![0u8; (be - bs) as usize];
             self.store.dev.read_at(&mut buf, disk + bs)?;
             self.verify_blocks(fe.disk_bytenr.get(), fe.offset.get() + bs, &buf)?;
