@@ -1,0 +1,1344 @@
+#!/usr/bin/python3
+"""birchfs benchmark harness: `make bench` (full) and `make bench-quick`.
+
+What it does
+------------
+Compares birchfs with the kernel filesystems on the same disk and the same layers:
+
+  target        what                                                     device counter
+  btrfs         kernel btrfs, mount -o ssd, on a loop device             loop sectors
+  ext4          kernel ext4 (mkfs defaults), on a loop device            loop sectors
+  ext4-fc       ext4 made with -O fast_commit, on a loop device          loop sectors
+  xfs           kernel XFS (mkfs defaults), on a loop device             loop sectors
+  birchfs-loop  birchfs through FUSE on a loop device (the fair row)     daemon stats
+  birchfs-file  birchfs through FUSE on a plain image file (usual use)   daemon stats
+  raw           a directory of the host filesystem, no loop (the limit)  none
+  fuse-floor    libfuse's passthrough_ll example (-o writeback, like     loop sectors
+                birchfs) over ext4 on a loop device (the FUSE floor)      (of the ext4)
+
+Every image is a fresh sparse file of the same size in the work directory (same disk
+as the repository), attached with `losetup --direct-io=on`. A fresh filesystem is made
+for every run (every workload variant, target and repetition).
+
+Workloads (fio job templates in bench/jobs/, sizes from the profile below):
+  W1  seed 1: randwrite bs=4k fsync=4 ioengine=sync direct=0 fallocate=none,
+      numjobs 1, 2, 4, 8, BENCH_SIZE per job
+  W2  seed 2: randwrite, bssplit 4k..1m, fsync=8, psync, thread, 4 jobs, time-based
+  W3  seed 5: randwrite bs=4k overwrite=1 pre_read=1 fdatasync=1 psync, 4 jobs,
+      time-based; write amplification = device bytes written / bytes fio wrote
+  W4  seeds 3, 4: fs_mark-style creates of empty files (target/release/fsmark,
+      src/bin/fsmark.rs): D directories x F files with an fsync per file, and a
+      no-fsync run of 2 threads x N files each
+For W2 and W3 the files are laid out first (fio create_only=1), outside the
+measurement. Before every measured run: sync, echo 3 > /proc/sys/vm/drop_caches, read
+the device counters; after it: sync -f on the mount, read them again.
+
+Order: for each workload variant, the targets run interleaved (A B C D ... A B C D ...),
+`reps` times. The report gives median and min-max over the repetitions.
+
+Output (bench/results/ for full, bench/results/quick/ for quick):
+  REPORT.md           tables (workload x filesystem, birchfs / best kernel fs), machine
+  results.json        every run: metrics, fio's JSON, fsmark's JSON, birchfs stats deltas
+  throughput.png      MiB/s per fio workload
+  fsync_latency.png   fsync latency p50/p90/p99 per workload
+  files_per_s.png     W4 files/s as directories x files grow, and within the largest run
+
+Usage (as root; the Makefile builds target/release first):
+  make bench | make bench-quick
+  /usr/bin/python3 bench/bench.py --profile quick [--reps N] [--work DIR]
+  /usr/bin/python3 bench/bench.py --profile quick --report-only   # redo REPORT/PNGs
+  --targets/--workloads restrict a run for debugging (the report then says so).
+
+Installs what is missing with apt-get (fio, btrfs-progs, xfsprogs, e2fsprogs, fuse3,
+libfuse3-dev, gcc, pkg-config, python3-matplotlib) and compiles passthrough_ll from
+/usr/share/doc/libfuse3-dev/examples with gcc and pkg-config fuse3.
+
+Cleanup: every mount and loop device it makes is undone when a run ends, fails, or the
+harness gets SIGINT/SIGTERM/SIGHUP. At start it unmounts anything still mounted under
+its own work directory, stops leftover daemons whose command line names that directory,
+and detaches loop devices backed by files in it; nothing else is touched.
+"""
+
+import argparse
+import datetime
+import fcntl
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = REPO / "bench" / "jobs"
+BIRCHFS = REPO / "target" / "release" / "birchfs"
+FSMARK = REPO / "target" / "release" / "fsmark"
+FUSE_EXAMPLES = Path("/usr/share/doc/libfuse3-dev/examples")
+
+MiB = 1 << 20
+# ext4 otherwise zeroes inode tables and journal in the background after mount
+# (ext4lazyinit), which would add device writes and load to the measured runs.
+EXT4_NOLAZY = ["-E", "lazy_itable_init=0,lazy_journal_init=0"]
+
+PROFILES = {
+    "full": {
+        "out": "bench/results",
+        "reps": 3,
+        "image_size": "8G",
+        "w1_size": "64M",
+        "w1_jobs": [1, 2, 4, 8],
+        "w1_cap_s": 240,
+        "w2_size": "512M",
+        "w2_runtime": 30,
+        "w3_size": "256M",
+        "w3_runtime": 30,
+        "w4_fsync_threads": 4,
+        "w4_fsync": [[4, 1000], [64, 256], [64, 1024]],
+        "w4_nofsync": {"threads": 2, "files_per_thread": 100000, "dirs": 2},
+        "w4_cap_s": 240,
+    },
+    "quick": {
+        "out": "bench/results/quick",
+        "reps": 2,
+        "image_size": "8G",
+        "w1_size": "8M",
+        "w1_jobs": [1, 2, 4, 8],
+        "w1_cap_s": 30,
+        "w2_size": "16M",
+        "w2_runtime": 3,
+        "w3_size": "16M",
+        "w3_runtime": 3,
+        "w4_fsync_threads": 4,
+        "w4_fsync": [[2, 100], [8, 64], [8, 128]],
+        "w4_nofsync": {"threads": 2, "files_per_thread": 5000, "dirs": 2},
+        "w4_cap_s": 60,
+    },
+}
+
+TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "raw", "fuse-floor"]
+KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
+BIRCH = ["birchfs-loop", "birchfs-file"]
+LABELS = {
+    "btrfs": "btrfs -o ssd",
+    "ext4": "ext4",
+    "ext4-fc": "ext4 fast_commit",
+    "xfs": "XFS",
+    "birchfs-loop": "birchfs (loop)",
+    "birchfs-file": "birchfs (file)",
+    "raw": "raw host dir",
+    "fuse-floor": "FUSE floor",
+}
+COLORS = {
+    "btrfs": "#1f77b4",
+    "ext4": "#2ca02c",
+    "ext4-fc": "#98df8a",
+    "xfs": "#9467bd",
+    "birchfs-loop": "#d62728",
+    "birchfs-file": "#ff9896",
+    "raw": "#7f7f7f",
+    "fuse-floor": "#bcbd22",
+}
+
+
+class Interrupted(Exception):
+    pass
+
+
+class RunError(Exception):
+    pass
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- processes
+
+CHILDREN = set()  # Popen objects of running children, for cleanup on a signal
+
+
+def run(cmd, check=True, capture=True, timeout=None, env=None):
+    """Runs cmd; returns CompletedProcess. Tracks the child so a signal can end it."""
+    p = subprocess.Popen(
+        [str(c) for c in cmd],
+        stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+        stderr=subprocess.PIPE if capture else subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    CHILDREN.add(p)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise RunError(f"timed out after {timeout}s: {' '.join(map(str, cmd))}")
+    except BaseException:
+        # Interrupted: end the child before the mounts under it are torn down.
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except BaseException:
+            p.kill()
+        raise
+    finally:
+        CHILDREN.discard(p)
+    if check and p.returncode != 0:
+        raise RunError(
+            f"exit {p.returncode}: {' '.join(map(str, cmd))}\n{(err or '').strip()[-2000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def kill_children():
+    for p in list(CHILDREN):
+        try:
+            p.terminate()
+            p.wait(timeout=5)
+        except Exception:
+            try:
+                p.kill()
+            except Exception:
+                pass
+
+
+def pids_with_arg(fragment, names):
+    """PIDs whose argv[0] basename is in names and whose command line contains fragment."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0]:
+            continue
+        if os.path.basename(argv[0].decode(errors="replace")) not in names:
+            continue
+        if any(fragment in a.decode(errors="replace") for a in argv[1:]):
+            out.append(int(d.name))
+    return out
+
+
+def wait_for(pred, timeout, step=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+# ---------------------------------------------------------------- mounts, loops
+
+def unescape_mount(s):
+    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mounts():
+    res = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3:
+                res.append((unescape_mount(parts[0]), unescape_mount(parts[1]), parts[2]))
+    return res
+
+
+def is_mounted(mp):
+    mp = str(mp)
+    return any(m[1] == mp for m in mounts())
+
+
+def unmount(mp, fuse=False):
+    """Unmounts mp; retries while busy, then detaches lazily as a last resort."""
+    mp = str(mp)
+    if not is_mounted(mp):
+        return
+    for attempt in range(20):
+        cmd = ["fusermount3", "-u", mp] if fuse and shutil.which("fusermount3") else ["umount", mp]
+        r = run(cmd, check=False)
+        if not is_mounted(mp):
+            return
+        if fuse and r.returncode != 0:
+            run(["umount", mp], check=False)
+            if not is_mounted(mp):
+                return
+        time.sleep(0.25)
+    log(f"warning: {mp} still busy; lazy unmount")
+    run(["umount", "-l", mp], check=False)
+
+
+def loop_attach(image):
+    dev = run(["losetup", "--direct-io=on", "-f", "--show", image]).stdout.strip()
+    name = os.path.basename(dev)
+    dio = Path(f"/sys/block/{name}/loop/dio")
+    if dio.exists() and dio.read_text().strip() != "1":
+        log(f"warning: {dev} did not switch to direct I/O")
+    return dev
+
+
+def loop_detach(dev):
+    for _ in range(20):
+        r = run(["losetup", "-d", dev], check=False)
+        if r.returncode == 0:
+            return
+        time.sleep(0.25)
+    log(f"warning: could not detach {dev}")
+
+
+def loops_under(work):
+    r = run(["losetup", "-l", "-n", "-O", "NAME,BACK-FILE"], check=False)
+    out = []
+    for line in (r.stdout or "").splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and parts[1].strip().startswith(str(work)):
+            out.append(parts[0])
+    return out
+
+
+def loop_write_bytes(dev):
+    stat = Path(f"/sys/block/{os.path.basename(dev)}/stat").read_text().split()
+    return int(stat[6]) * 512
+
+
+def drop_caches():
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def birch_stats(mp):
+    r = run([BIRCHFS, "stats", "--json", mp], check=False, timeout=30)
+    if r.returncode != 0:
+        return None
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError:
+        return None
+
+
+def stats_delta(a, b):
+    """b - a over numeric leaves; latency summaries (not subtractable) are taken from b."""
+    if a is None or b is None:
+        return None
+    out = {}
+    for k, v in b.items():
+        if k == "latency_us":
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = stats_delta(a.get(k, {}), v)
+        elif isinstance(v, (int, float)):
+            out[k] = v - a.get(k, 0)
+    return out
+
+
+# ---------------------------------------------------------------- targets
+
+class Target:
+    """A filesystem under test; setup() makes it fresh and returns the mountpoint."""
+
+    def __init__(self, name, work, image_size):
+        self.name = name
+        self.work = work
+        self.image_size = image_size
+        self.img = work / "img" / f"{name}.img"
+        self.mp = work / "mnt" / name
+        self.dev = None
+        self.lower_mp = work / "lower" / name
+        self.proc = None
+        self.log = work / "log" / f"{name}.log"
+
+    def fresh_image(self):
+        self.img.parent.mkdir(parents=True, exist_ok=True)
+        if self.img.exists():
+            self.img.unlink()
+        with open(self.img, "wb") as f:
+            f.truncate(parse_size(self.image_size))
+
+    def setup(self):
+        self.mp.mkdir(parents=True, exist_ok=True)
+        n = self.name
+        if n == "raw":
+            d = self.work / "raw"
+            if d.exists():
+                shutil.rmtree(d)
+            d.mkdir(parents=True)
+            return d
+        self.fresh_image()
+        if n == "birchfs-file":
+            run([BIRCHFS, "mkfs", "--size", self.image_size, self.img])
+            self.birch_mount(self.img)
+            return self.mp
+        self.dev = loop_attach(self.img)
+        if n == "birchfs-loop":
+            run([BIRCHFS, "mkfs", "--force", self.dev])
+            self.birch_mount(self.dev)
+        elif n == "fuse-floor":
+            self.lower_mp.mkdir(parents=True, exist_ok=True)
+            run(["mkfs.ext4", "-q", "-F"] + EXT4_NOLAZY + [self.dev])
+            run(["mount", self.dev, self.lower_mp])
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            logf = open(self.log, "w")
+            self.proc = subprocess.Popen(
+                [str(self.work / "bin" / "passthrough_ll"), "-f",
+                 "-o", f"source={self.lower_mp},writeback", str(self.mp)],
+                stdout=logf, stderr=logf)
+            logf.close()
+            if not wait_for(lambda: is_mounted(self.mp), 10):
+                raise RunError(f"passthrough_ll did not mount (see {self.log})")
+        else:
+            mkfs = {
+                "btrfs": ["mkfs.btrfs", "-q", "-f"],
+                "ext4": ["mkfs.ext4", "-q", "-F"] + EXT4_NOLAZY,
+                "ext4-fc": ["mkfs.ext4", "-q", "-F", "-O", "fast_commit"] + EXT4_NOLAZY,
+                "xfs": ["mkfs.xfs", "-q", "-f"],
+            }[n]
+            run(mkfs + [self.dev])
+            opts = ["-o", "ssd"] if n == "btrfs" else []
+            run(["mount"] + opts + [self.dev, self.mp])
+        return self.mp
+
+    def birch_mount(self, image):
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        run([BIRCHFS, "mount", "--log", self.log, image, self.mp], timeout=60)
+        if not is_mounted(self.mp):
+            raise RunError(f"birchfs did not mount on {self.mp} (see {self.log})")
+
+    def counters(self):
+        """Device-level counters: loop sectors written and, for birchfs, its stats."""
+        c = {}
+        if self.dev and self.name != "birchfs-file":
+            c["loop_write_bytes"] = loop_write_bytes(self.dev)
+        if self.name in BIRCH:
+            c["birchfs"] = birch_stats(self.mp)
+        return c
+
+    def teardown(self):
+        n = self.name
+        if n == "raw":
+            d = self.work / "raw"
+            if d.exists():
+                shutil.rmtree(d, ignore_errors=True)
+            return
+        if n in BIRCH:
+            unmount(self.mp)
+            mp = str(self.mp)
+            if not wait_for(lambda: not pids_with_arg(mp, {"birchfs"}), 120, 0.1):
+                log(f"warning: birchfs daemon for {mp} did not exit; terminating it")
+                for pid in pids_with_arg(mp, {"birchfs"}):
+                    os.kill(pid, signal.SIGTERM)
+                wait_for(lambda: not pids_with_arg(mp, {"birchfs"}), 10, 0.1)
+        elif n == "fuse-floor":
+            unmount(self.mp, fuse=True)
+            if self.proc:
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.proc.terminate()
+                    self.proc.wait(timeout=10)
+                self.proc = None
+            unmount(self.lower_mp)
+        else:
+            unmount(self.mp)
+        if self.dev:
+            loop_detach(self.dev)
+            self.dev = None
+        if self.img.exists():
+            self.img.unlink()
+
+
+def parse_size(s):
+    s = str(s).strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in mult:
+        return int(s[:-1]) * mult[s[-1]]
+    return int(s)
+
+
+def cleanup_work(work, quiet=False):
+    """Undoes anything the harness may have left under work: mounts, daemons, loops."""
+    w = str(work)
+    ms = [m for m in mounts() if m[1] == w or m[1].startswith(w + "/")]
+    # FUSE mounts first (they may sit on an ext4 lower mount), deepest first.
+    ms.sort(key=lambda m: (not m[2].startswith("fuse"), -m[1].count("/")))
+    for dev, mp, fstype in ms:
+        if not quiet:
+            log(f"cleanup: unmounting {mp} ({fstype})")
+        unmount(mp, fuse=fstype.startswith("fuse"))
+    names = {"birchfs", "passthrough_ll"}
+    if pids_with_arg(w, names):
+        wait_for(lambda: not pids_with_arg(w, names), 30, 0.1)
+    for pid in pids_with_arg(w, names):
+        log(f"cleanup: terminating leftover daemon pid {pid}")
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if not wait_for(lambda: not pids_with_arg(w, names), 10, 0.1):
+        for pid in pids_with_arg(w, names):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for dev in loops_under(w):
+        if not quiet:
+            log(f"cleanup: detaching {dev}")
+        loop_detach(dev)
+
+
+# ---------------------------------------------------------------- dependencies
+
+def ensure_deps(need_build_tools=True):
+    need = []
+    for cmd, pkg in [("fio", "fio"), ("mkfs.btrfs", "btrfs-progs"), ("mkfs.xfs", "xfsprogs"),
+                     ("mkfs.ext4", "e2fsprogs"), ("losetup", "mount"),
+                     ("fusermount3", "fuse3"), ("gcc", "gcc"), ("pkg-config", "pkg-config")]:
+        if not shutil.which(cmd):
+            need.append(pkg)
+    have_fuse_dev = (FUSE_EXAMPLES / "passthrough_ll.c").exists() and shutil.which("pkg-config") \
+        and subprocess.run(["pkg-config", "--exists", "fuse3"]).returncode == 0
+    if not have_fuse_dev:
+        need.append("libfuse3-dev")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        need.append("python3-matplotlib")
+    need = sorted(set(need))
+    if need:
+        log(f"installing {' '.join(need)}")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends"] + need,
+                       check=True, env=env, stdout=subprocess.DEVNULL)
+    if shutil.which("modprobe"):  # built in on some kernels, modules on others
+        for mod in ["loop", "btrfs", "xfs", "fuse"]:
+            subprocess.run(["modprobe", mod], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not Path("/dev/fuse").exists():
+        sys.exit("bench: /dev/fuse is missing")
+    for b in (BIRCHFS, FSMARK):
+        if not b.exists():
+            sys.exit(f"bench: {b} is missing: run `cargo build --release` first")
+
+
+def build_passthrough(work):
+    out = work / "bin" / "passthrough_ll"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    src = FUSE_EXAMPLES / "passthrough_ll.c"
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    flags = run(["pkg-config", "fuse3", "--cflags", "--libs"]).stdout.split()
+    run(["gcc", "-O2", "-Wall", "-I", FUSE_EXAMPLES, src, "-o", out] + flags)
+    return out
+
+
+# ---------------------------------------------------------------- workloads
+
+def variants(prof, only=None):
+    """The workload variants, in run order: dicts with id, workload, label, kind."""
+    v = []
+    for nj in prof["w1_jobs"]:
+        v.append({"id": f"W1-j{nj}", "workload": "W1", "kind": "fio", "job": "w1.fio",
+                  "label": f"W1 4k randwrite fsync=4, {nj} job{'s' if nj > 1 else ''} x {prof['w1_size']}",
+                  "env": {"BENCH_SIZE": prof["w1_size"], "BENCH_NUMJOBS": str(nj),
+                          "BENCH_RUNTIME": str(prof["w1_cap_s"])},
+                  "layout": False, "timeout": prof["w1_cap_s"] + 120,
+                  "expect_bytes": nj * parse_size(prof["w1_size"])})
+    v.append({"id": "W2", "workload": "W2", "kind": "fio", "job": "w2.fio",
+              "label": f"W2 bssplit 4k-1m randwrite fsync=8, 4 threads x {prof['w2_size']}, {prof['w2_runtime']} s",
+              "env": {"BENCH_SIZE": prof["w2_size"], "BENCH_NUMJOBS": "4",
+                      "BENCH_RUNTIME": str(prof["w2_runtime"])},
+              "layout": True, "timeout": prof["w2_runtime"] + 600})
+    v.append({"id": "W3", "workload": "W3", "kind": "fio", "job": "w3.fio",
+              "label": f"W3 4k overwrite fdatasync=1, 4 jobs x {prof['w3_size']}, {prof['w3_runtime']} s",
+              "env": {"BENCH_SIZE": prof["w3_size"], "BENCH_NUMJOBS": "4",
+                      "BENCH_RUNTIME": str(prof["w3_runtime"])},
+              "layout": True, "timeout": prof["w3_runtime"] + 600})
+    t = prof["w4_fsync_threads"]
+    for d, f in prof["w4_fsync"]:
+        v.append({"id": f"W4-{d}x{f}", "workload": "W4", "kind": "fsmark",
+                  "label": f"W4 create+fsync {d} dirs x {f} files, {t} threads",
+                  "args": ["-t", t, "-D", d, "-n", d * f // t, "--fsync"],
+                  "files": d * f, "dirs": d, "fsync": True,
+                  "timeout": prof["w4_cap_s"] + 120})
+    nf = prof["w4_nofsync"]
+    v.append({"id": "W4-nofsync", "workload": "W4", "kind": "fsmark",
+              "label": f"W4 create, no fsync, {nf['threads']} threads x {nf['files_per_thread']} files, {nf['dirs']} dirs",
+              "args": ["-t", nf["threads"], "-D", nf["dirs"], "-n", nf["files_per_thread"]],
+              "files": nf["threads"] * nf["files_per_thread"], "dirs": nf["dirs"], "fsync": False,
+              "timeout": prof["w4_cap_s"] + 120})
+    for x in v:
+        if x["kind"] == "fsmark":
+            x["args"] = x["args"] + ["--max-seconds", prof["w4_cap_s"]]
+    if only:
+        v = [x for x in v if x["workload"] in only or x["id"] in only]
+    return v
+
+
+def pct(d, key):
+    try:
+        return d["percentile"][key] / 1000.0
+    except (KeyError, TypeError):
+        return None
+
+
+def run_fio(v, tgt, mp, work):
+    d = Path(mp) / "fio"
+    d.mkdir(exist_ok=True)
+    env = dict(os.environ, BENCH_DIR=str(d), BENCH_CREATE_ONLY="0", **v["env"])
+    out = work / "fio.json"
+    job = JOBS / v["job"]
+    if v["layout"]:
+        run(["fio", "--output-format=json", f"--output={out}", job],
+            env=dict(env, BENCH_CREATE_ONLY="1"), timeout=v["timeout"])
+    drop_caches()
+    before = tgt.counters()
+    load0 = os.getloadavg()[0]
+    if out.exists():
+        out.unlink()
+    run(["fio", "--output-format=json", f"--output={out}", job], env=env, timeout=v["timeout"])
+    run(["sync", "-f", str(d)], check=False, timeout=120)
+    after = tgt.counters()
+    fj = json.loads(out.read_text())
+    j = fj["jobs"][0]
+    w = j["write"]
+    sync_lat = j.get("sync", {}).get("lat_ns", {})
+    m = {
+        "mib_s": w["bw_bytes"] / MiB,
+        "iops": w["iops"],
+        "write_bytes": w["io_bytes"],
+        "runtime_s": w["runtime"] / 1000.0,
+        "fsyncs": sync_lat.get("N", 0),
+        "fsync_p50_us": pct(sync_lat, "50.000000"),
+        "fsync_p90_us": pct(sync_lat, "90.000000"),
+        "fsync_p99_us": pct(sync_lat, "99.000000"),
+        "fsync_p999_us": pct(sync_lat, "99.900000"),
+        "fsync_mean_us": sync_lat.get("mean", 0) / 1000.0 if sync_lat.get("N") else None,
+        "loadavg_1m_before": load0,
+        "loadavg_1m_after": os.getloadavg()[0],
+    }
+    if "expect_bytes" in v:
+        m["capped"] = w["io_bytes"] < v["expect_bytes"]
+    extra = device_metrics(tgt, before, after, w["io_bytes"], m)
+    extra["fio"] = {"fio_version": fj.get("fio version"), "global options": fj.get("global options"),
+                    "job": j}
+    return m, extra
+
+
+def device_metrics(tgt, before, after, user_bytes, m):
+    extra = {"counters_before": before, "counters_after": after}
+    if "loop_write_bytes" in before:
+        m["loop_bytes"] = after["loop_write_bytes"] - before["loop_write_bytes"]
+    if tgt.name in BIRCH:
+        delta = stats_delta(before.get("birchfs"), after.get("birchfs"))
+        extra["birchfs_stats_delta"] = delta
+        if delta:
+            m["device_bytes"] = delta["bytes"]["device_total"]
+            m["birchfs_log_commits"] = delta.get("log_commits")
+            m["birchfs_full_commits"] = delta.get("full_commits")
+            m["birchfs_fallbacks"] = delta.get("fallbacks")
+    elif "loop_bytes" in m:
+        m["device_bytes"] = m["loop_bytes"]
+    if m.get("device_bytes") is not None and user_bytes:
+        m["wa"] = m["device_bytes"] / user_bytes
+    return extra
+
+
+def run_fsmark(v, tgt, mp, work):
+    d = Path(mp) / "fsmark"
+    drop_caches()
+    before = tgt.counters()
+    load0 = os.getloadavg()[0]
+    r = run([FSMARK, "-d", d] + v["args"], timeout=v["timeout"])
+    run(["sync", "-f", str(mp)], check=False, timeout=120)
+    after = tgt.counters()
+    fm = json.loads(r.stdout)
+    lat = fm["latency_us"]["fsync"]
+    m = {
+        "files_per_s": fm["files_per_s"],
+        "files_created": fm["files_created"],
+        "capped": fm["capped"],
+        "runtime_s": fm["elapsed_s"],
+        "fsync_p50_us": lat.get("p50"),
+        "fsync_p90_us": lat.get("p90"),
+        "fsync_p99_us": lat.get("p99"),
+        "fsync_p999_us": lat.get("p99.9"),
+        "fsync_mean_us": lat.get("mean"),
+        "create_p50_us": fm["latency_us"]["create"].get("p50"),
+        "create_p99_us": fm["latency_us"]["create"].get("p99"),
+        "files_per_s_by_tenth": fm["files_per_s_by_tenth"],
+        "loadavg_1m_before": load0,
+        "loadavg_1m_after": os.getloadavg()[0],
+    }
+    extra = device_metrics(tgt, before, after, 0, m)
+    extra["fsmark"] = fm
+    return m, extra
+
+
+# ---------------------------------------------------------------- machine facts
+
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:
+        return ""
+
+
+def machine_facts(work):
+    cpu = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem = ""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal"):
+            mem = f"{int(line.split()[1]) / (1 << 20):.1f} GiB"
+    src = sh(f"findmnt -n -o SOURCE --target {work}")
+    disk = os.path.basename(src) if src.startswith("/dev/") else src
+    base = disk.rstrip("0123456789") if disk.startswith(("sd", "vd", "xvd")) else disk
+    if base.startswith("nvme") and "p" in base:
+        base = base.rsplit("p", 1)[0]
+    q = Path(f"/sys/block/{base}/queue")
+    def rd(p):
+        try:
+            return Path(p).read_text().strip()
+        except OSError:
+            return "?"
+    size = rd(f"/sys/block/{base}/size")
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory": mem,
+        "kernel": platform.release(),
+        "disk": {
+            "device": src,
+            "fstype": sh(f"findmnt -n -o FSTYPE --target {work}"),
+            "mount_options": sh(f"findmnt -n -o OPTIONS --target {work}"),
+            "size_gib": round(int(size) * 512 / (1 << 30), 1) if size.isdigit() else None,
+            "rotational": rd(q / "rotational"),
+            "scheduler": rd(q / "scheduler"),
+            "write_cache": rd(q / "write_cache"),
+            "model": rd(f"/sys/block/{base}/device/model"),
+            "driver": os.path.basename(os.path.realpath(f"/sys/block/{base}/device/driver"))
+            if Path(f"/sys/block/{base}/device/driver").exists() else "?",
+        },
+        "work_dir": str(work),
+        "versions": {
+            "fio": sh("fio --version"),
+            "btrfs-progs": sh("mkfs.btrfs --version 2>&1 | head -1"),
+            "e2fsprogs": sh("mkfs.ext4 -V 2>&1 | head -1"),
+            "xfsprogs": sh("mkfs.xfs -V 2>&1 | head -1"),
+            "libfuse": sh("pkg-config --modversion fuse3"),
+            "birchfs": sh(f"{BIRCHFS} --version"),
+            "git": sh(f"git -C {REPO} describe --always --dirty"),
+            "git_dirty_files": sh(f"git -C {REPO} status --porcelain --untracked-files=no -- src Cargo.toml Cargo.lock | wc -l"),
+        },
+    }
+
+
+# ---------------------------------------------------------------- summary and report
+
+METRICS = ["mib_s", "iops", "files_per_s", "fsync_p50_us", "fsync_p90_us", "fsync_p99_us",
+           "fsync_p999_us", "wa", "create_p50_us"]
+
+
+def summarize(runs):
+    s = {}
+    for r in runs:
+        if not r.get("ok"):
+            continue
+        cell = s.setdefault(r["variant"], {}).setdefault(r["target"], {})
+        for k in METRICS:
+            x = r["metrics"].get(k)
+            if x is not None:
+                cell.setdefault(k, []).append(x)
+    out = {}
+    for vid, tg in s.items():
+        for t, ms in tg.items():
+            for k, xs in ms.items():
+                out.setdefault(vid, {}).setdefault(t, {})[k] = {
+                    "median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    return out
+
+
+def fmt(x):
+    if x is None:
+        return "–"
+    if x == 0:
+        return "0"
+    if isinstance(x, int) or (float(x).is_integer() and abs(x) >= 100):
+        return f"{int(x):,}"
+    ax = abs(x)
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    if ax >= 100:
+        return f"{x:.0f}"
+    if ax >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def cell(summ, vid, t, k):
+    c = summ.get(vid, {}).get(t, {}).get(k)
+    if not c:
+        return "–"
+    if c["n"] == 1:
+        return fmt(c["median"])
+    return f"{fmt(c['median'])} ({fmt(c['min'])}–{fmt(c['max'])})"
+
+
+def ratio_cols(summ, vid, k, higher_better, targets):
+    meds = {t: summ.get(vid, {}).get(t, {}).get(k, {}).get("median") for t in targets}
+    kern = {t: meds[t] for t in KERNEL if meds.get(t) is not None}
+    if not kern:
+        return ["–", "–", "–"]
+    best = (max if higher_better else min)(kern, key=kern.get)
+    cols = [LABELS[best]]
+    for b in BIRCH:
+        if meds.get(b) is None or not kern[best]:
+            cols.append("–")
+        else:
+            cols.append(f"{meds[b] / kern[best]:.2f}")
+    return cols
+
+
+def table(summ, vs, targets, k, higher_better, title_unit):
+    hdr = ["workload"] + [LABELS[t] for t in targets] + ["best kernel fs", "birchfs (loop) / best", "birchfs (file) / best"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for v in vs:
+        if not any(summ.get(v["id"], {}).get(t, {}).get(k) for t in targets):
+            continue
+        row = [v["label"]] + [cell(summ, v["id"], t, k) for t in targets] + \
+            ratio_cols(summ, v["id"], k, higher_better, targets)
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def write_report(res, outdir):
+    prof = res["profile"]
+    targets = res["targets"]
+    vs = res["variants"]
+    runs = res["runs"]
+    summ = res["summary"]
+    m = res["machine"]
+    main_k = lambda v: "files_per_s" if v["kind"] == "fsmark" else "mib_s"
+    L = []
+    L.append(f"# birchfs benchmarks ({res['profile_name']})")
+    L.append("")
+    status = "complete" if res.get("complete") else "**INCOMPLETE (interrupted or partial)**"
+    L.append(f"Run {m['date']}, {res.get('wall_s', 0) / 60:.1f} min wall, {status}. "
+             f"Generated by `{res['command']}` (bench/bench.py); raw data in results.json.")
+    if res.get("restricted"):
+        L.append("")
+        L.append(f"**Restricted run:** {res['restricted']}")
+    L.append("")
+    L.append("## Machine")
+    L.append("")
+    d = m["disk"]
+    L.append(f"- {m['cores']} cores ({m['cpu']}), {m['memory']} RAM, kernel {m['kernel']}")
+    L.append(f"- disk: {d['device']} ({d['driver']}, {d['size_gib']} GiB, rotational={d['rotational']}, "
+             f"write cache: {d['write_cache']}, scheduler {d['scheduler']}), host filesystem {d['fstype']} "
+             f"({d['mount_options']}); all images in {m['work_dir']}")
+    vv = m["versions"]
+    L.append(f"- {vv['fio']}, {vv['btrfs-progs']}, {vv['e2fsprogs']}, {vv['xfsprogs']}, libfuse {vv['libfuse']}, "
+             f"{vv['birchfs']} at git {vv['git']}"
+             + (f" ({vv['git_dirty_files']} files under src/ modified in the work tree)" if vv.get('git_dirty_files', '0') not in ('', '0') else ""))
+    L.append("")
+    L.append("## Method")
+    L.append("")
+    L.append(f"- Targets: {', '.join(LABELS[t] + ' (`' + t + '`)' for t in targets)}. "
+             f"Every filesystem image is a fresh sparse {prof['image_size']} file on the same disk, on a loop device "
+             f"with `--direct-io=on` (except `raw`: a directory of the host filesystem, and `birchfs-file`: "
+             f"the plain image file). btrfs is mounted `-o ssd`; the FUSE floor is libfuse {vv['libfuse']}'s "
+             f"`passthrough_ll -o writeback` (birchfs also uses the writeback cache) over ext4 on a loop device.")
+    L.append(f"- A fresh filesystem for every run; targets interleaved (A B C … A B C …) within each workload variant; "
+             f"{prof['reps']} repetitions; `sync` + `drop_caches` before each measured run. Cells: median (min–max).")
+    L.append("- W2/W3 files are laid out by a separate fio pass (`create_only=1`) before the measured pass. "
+             "Device bytes are read before the measured pass and after it plus `sync -f` on the mount: "
+             "loop-device write sectors (/sys/block/loopN/stat) for kernel filesystems and the FUSE floor, "
+             "the daemon's `bytes.device_total` (`birchfs stats --json`) for birchfs. FUSE does not pass syncfs to "
+             "the daemon, so work birchfs defers to its next periodic commit (30 s) may fall outside the window; "
+             "likewise for kernel filesystems' deferred checkpoints.")
+    L.append(f"- fsync latency: fio's `sync` latency percentiles (fsync for W1/W2, fdatasync for W3), "
+             f"fsmark's per-file fsync time for W4. W1 jobs stop at their size (a {prof['w1_cap_s']} s cap is only "
+             f"a safety net); W4 runs are capped at {prof['w4_cap_s']} s. W4 fsync runs use "
+             f"{prof['w4_fsync_threads']} threads; each thread spreads its files over all D directories.")
+    L.append("- Ratios: birchfs median / the median of the best kernel filesystem (btrfs, ext4, ext4 fast_commit, "
+             "XFS) for that row. For throughput, IOPS and files/s above 1 means birchfs is faster; for latency "
+             "below 1 means birchfs is faster.")
+    L.append("- The machine is shared (2 cores): other work may run at the same time; each run records the "
+             "1-minute load average in results.json.")
+    L.append("")
+    L.append("## Throughput (fio: MiB/s written; W4: files/s)")
+    L.append("")
+    hdr = ["workload", "unit"] + [LABELS[t] for t in targets] + ["best kernel fs", "birchfs (loop) / best", "birchfs (file) / best"]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for v in vs:
+        k = main_k(v)
+        row = [v["label"], "files/s" if k == "files_per_s" else "MiB/s"] + \
+            [cell(summ, v["id"], t, k) for t in targets] + ratio_cols(summ, v["id"], k, True, targets)
+        lines.append("| " + " | ".join(row) + " |")
+    L.append("\n".join(lines))
+    L.append("")
+    fio_vs = [v for v in vs if v["kind"] == "fio"]
+    L.append("## IOPS (fio write operations per second)")
+    L.append("")
+    L.append(table(summ, fio_vs, targets, "iops", True, "IOPS"))
+    L.append("")
+    L.append("## fsync latency p50 (µs)")
+    L.append("")
+    L.append(table(summ, vs, targets, "fsync_p50_us", False, "µs"))
+    L.append("")
+    L.append("## fsync latency p99 (µs)")
+    L.append("")
+    L.append(table(summ, vs, targets, "fsync_p99_us", False, "µs"))
+    L.append("")
+    L.append("## Write amplification (device bytes written / bytes fio wrote)")
+    L.append("")
+    L.append("W3 is the workload this is defined for; W1/W2 are shown for reference. "
+             "`raw` has no device of its own (n/a). For the FUSE floor it is the ext4 loop device below it.")
+    L.append("")
+    wa_targets = [t for t in targets if t != "raw"]
+    L.append(table(summ, fio_vs, wa_targets, "wa", False, "x"))
+    L.append("")
+    # birchfs internals
+    bl = []
+    for v in vs:
+        for t in BIRCH:
+            rs = [r for r in runs if r["variant"] == v["id"] and r["target"] == t and r.get("ok")]
+            if not rs:
+                continue
+            def med(key):
+                xs = [r["metrics"].get(key) for r in rs if r["metrics"].get(key) is not None]
+                return fmt(statistics.median(xs)) if xs else "–"
+            def dmed(path, unit=1):
+                xs = []
+                for r in rs:
+                    dd = r.get("birchfs_stats_delta")
+                    for p in path:
+                        dd = dd.get(p) if isinstance(dd, dict) else None
+                    if dd is not None:
+                        xs.append(dd / unit)
+                if not xs:
+                    return "–"
+                x = statistics.median(xs)
+                return fmt(x) if unit == 1 else f"{x:,.1f}"
+            mib = lambda k: dmed(["bytes", k], MiB)
+            bl.append(f"| {v['label']} | {LABELS[t]} | {dmed(['fsyncs'])} | {med('birchfs_log_commits')} | "
+                      f"{med('birchfs_full_commits')} | {med('birchfs_fallbacks')} | "
+                      f"{mib('user')} | {mib('data')} | {mib('metadata')} | {mib('log')} | {mib('superblock')} | "
+                      f"{mib('device_total')} |")
+    if bl:
+        L.append("## birchfs daemon counters during the measured run (medians)")
+        L.append("")
+        L.append("Counter deltas over the measured pass (`birchfs stats --json` before and after); bytes in MiB.")
+        L.append("")
+        L.append("| workload | target | fsyncs | log commits | full commits | fallbacks | user MiB | data MiB | metadata MiB | log MiB | superblock MiB | device MiB |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        L.extend(bl)
+        L.append("")
+    # W4 collapse check
+    w4 = [v for v in vs if v["kind"] == "fsmark"]
+    if w4:
+        L.append("## W4: does the create rate hold as the directories fill?")
+        L.append("")
+        L.append("files/s in the last tenth of each run divided by files/s in the first tenth (median over runs; "
+                 "below 1 means the rate fell during the run).")
+        L.append("")
+        hdr = ["workload"] + [LABELS[t] for t in targets]
+        L.append("| " + " | ".join(hdr) + " |")
+        L.append("|" + "---|" * len(hdr))
+        for v in w4:
+            row = [v["label"]]
+            for t in targets:
+                xs = []
+                for r in runs:
+                    if r["variant"] == v["id"] and r["target"] == t and r.get("ok"):
+                        tt = r["metrics"].get("files_per_s_by_tenth") or []
+                        if len(tt) == 10 and tt[0] and tt[9]:
+                            xs.append(tt[9] / tt[0])
+                row.append(f"{statistics.median(xs):.2f}" if xs else "–")
+            L.append("| " + " | ".join(row) + " |")
+        L.append("")
+    bad = [r for r in runs if not r.get("ok")]
+    capped = [r for r in runs if r.get("ok") and r["metrics"].get("capped")]
+    L.append("## Failures and capped runs")
+    L.append("")
+    if not bad and not capped:
+        L.append("None.")
+    for r in bad:
+        err = (r.get("error") or "interrupted").strip().splitlines() or ["?"]
+        L.append(f"- FAILED {r['variant']} on {r['target']} rep {r['rep']}: `{err[0][:300]}`")
+    for r in capped:
+        L.append(f"- capped {r['variant']} on {r['target']} rep {r['rep']} (stopped at the time cap before finishing)")
+    L.append("")
+    L.append("## Charts")
+    L.append("")
+    L.append("![throughput](throughput.png)")
+    L.append("")
+    L.append("![fsync latency](fsync_latency.png)")
+    L.append("")
+    L.append("![files per second](files_per_s.png)")
+    L.append("")
+    (outdir / "REPORT.md").write_text("\n".join(L))
+
+
+def charts(res, outdir):
+    """Writes the PNGs; a chart that cannot be drawn (e.g. a partial run) is logged and skipped."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for name in ("throughput", "fsync_latency", "files_per_s"):
+        (outdir / f"{name}.png").unlink(missing_ok=True)  # no stale chart from an earlier run
+    for name, fn in (("throughput", chart_throughput), ("fsync_latency", chart_latency),
+                     ("files_per_s", chart_files)):
+        try:
+            fn(res, outdir, plt)
+        except Exception as e:  # a missing chart must not hide the results
+            log(f"warning: {name}.png not drawn: {e!r}")
+        finally:
+            plt.close("all")
+
+
+def has(summ, vid, targets, k):
+    return any(summ.get(vid, {}).get(t, {}).get(k) for t in targets)
+
+
+def _hbar(ax, summ, targets, vid, k, title, unit):
+    ys, meds, lo, hi, cols = [], [], [], [], []
+    for i, t in enumerate(targets):
+        c = summ.get(vid, {}).get(t, {}).get(k)
+        ys.append(i)
+        if c:
+            meds.append(c["median"])
+            lo.append(c["median"] - c["min"])
+            hi.append(c["max"] - c["median"])
+        else:
+            meds.append(0)
+            lo.append(0)
+            hi.append(0)
+        cols.append(COLORS[t])
+    ax.barh(ys, meds, xerr=[lo, hi], color=cols, capsize=3, error_kw={"elinewidth": 1})
+    ax.set_yticks(ys)
+    ax.set_yticklabels([LABELS[t] for t in targets], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(unit, fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    tops = [m_ + h_ for m_, h_ in zip(meds, hi)]
+    mx = max(tops + [0])
+    for y, mval, top in zip(ys, meds, tops):
+        if mval:
+            ax.text(top + mx * 0.015, y, fmt(mval), va="center", fontsize=7)
+    ax.set_xlim(0, mx * 1.22 if mx else 1)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def chart_throughput(res, outdir, plt):
+    summ, targets = res["summary"], res["targets"]
+    fio_vs = [v for v in res["variants"] if v["kind"] == "fio" and has(summ, v["id"], targets, "mib_s")]
+    n = len(fio_vs)
+    if not n:
+        return
+    cols_ = 3 if n > 4 else n
+    rows = (n + cols_ - 1) // cols_
+    fig, axes = plt.subplots(rows, cols_, figsize=(5.2 * cols_, 3.4 * rows), squeeze=False)
+    for i, v in enumerate(fio_vs):
+        _hbar(axes[i // cols_][i % cols_], summ, targets, v["id"], "mib_s", wrap(v["label"], 48),
+              "MiB/s (median, whiskers min–max)")
+    for j in range(n, rows * cols_):
+        axes[j // cols_][j % cols_].axis("off")
+    fig.suptitle(f"Write throughput per workload ({res['profile_name']}, {res['profile']['reps']} runs each)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(outdir / "throughput.png", dpi=110)
+
+
+def chart_latency(res, outdir, plt):
+    summ, targets, vs = res["summary"], res["targets"], res["variants"]
+
+    def get(vid, t, k):
+        return summ.get(vid, {}).get(t, {}).get(k)
+
+    lat_vs = [v for v in vs if any(get(v["id"], t, "fsync_p50_us") for t in targets)]
+    if lat_vs:
+        n = len(lat_vs)
+        cols_ = 3 if n > 4 else n
+        rows = (n + cols_ - 1) // cols_
+        fig, axes = plt.subplots(rows, cols_, figsize=(5.2 * cols_, 3.6 * rows), squeeze=False)
+        pcts = [("fsync_p50_us", "p50", 0.9), ("fsync_p90_us", "p90", 0.6), ("fsync_p99_us", "p99", 0.3)]
+        for i, v in enumerate(lat_vs):
+            ax = axes[i // cols_][i % cols_]
+            h = 0.26
+            for j, (k, name, alpha) in enumerate(pcts):
+                ys, meds, lo, hi, colors = [], [], [], [], []
+                for ti, t in enumerate(targets):
+                    c = get(v["id"], t, k)
+                    ys.append(ti + (j - 1) * h)
+                    if c:
+                        meds.append(c["median"])
+                        lo.append(c["median"] - c["min"])
+                        hi.append(c["max"] - c["median"])
+                    else:
+                        meds.append(0)
+                        lo.append(0)
+                        hi.append(0)
+                    colors.append(COLORS[t])
+                ax.barh(ys, meds, height=h, xerr=[lo, hi], color=colors, alpha=alpha,
+                        edgecolor="black", linewidth=0.3, capsize=2, error_kw={"elinewidth": 0.8},
+                        label=name)
+            ax.set_xscale("log")
+            log_ticks(ax.xaxis)
+            ax.set_yticks(range(len(targets)))
+            ax.set_yticklabels([LABELS[t] for t in targets], fontsize=8)
+            ax.invert_yaxis()
+            ax.set_title(wrap(v["label"], 48), fontsize=9)
+            ax.set_xlabel("fsync latency, µs (log)", fontsize=8)
+            ax.tick_params(axis="x", labelsize=8)
+            ax.grid(axis="x", alpha=0.3, which="both")
+        from matplotlib.patches import Patch
+        fig.legend(handles=[Patch(facecolor="grey", alpha=a, edgecolor="black", label=nm) for _, nm, a in pcts],
+                   loc="lower center", ncol=3, fontsize=9, title="bars per target, top to bottom", title_fontsize=9)
+        for j in range(n, rows * cols_):
+            axes[j // cols_][j % cols_].axis("off")
+        fig.suptitle(f"fsync latency percentiles, median of {res['profile']['reps']} runs (whiskers min–max)", fontsize=11)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+        fig.savefig(outdir / "fsync_latency.png", dpi=110)
+
+
+def chart_files(res, outdir, plt):
+    summ, targets, vs = res["summary"], res["targets"], res["variants"]
+
+    def get(vid, t, k):
+        return summ.get(vid, {}).get(t, {}).get(k)
+
+    w4 = [v for v in vs if v["kind"] == "fsmark" and has(summ, v["id"], targets, "files_per_s")]
+    w4f = [v for v in w4 if v["fsync"]]
+    if w4:
+        fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+        ax = axes[0]
+        xs = list(range(len(w4f)))
+        for t in targets:
+            meds, lo, hi = [], [], []
+            for v in w4f:
+                c = get(v["id"], t, "files_per_s")
+                meds.append(c["median"] if c else float("nan"))
+                lo.append(c["min"] if c else float("nan"))
+                hi.append(c["max"] if c else float("nan"))
+            if all(x != x for x in meds):  # no data for this target
+                continue
+            ax.plot(xs, meds, marker="o", color=COLORS[t], label=LABELS[t])
+            ax.fill_between(xs, lo, hi, color=COLORS[t], alpha=0.15)
+        if ax.lines:
+            ax.set_xticks(xs)
+            ax.set_xticklabels([f"{v['dirs']} dirs x {v['files'] // v['dirs']}\n({v['files']:,} files)"
+                                for v in w4f], fontsize=8)
+            ax.set_yscale("log")
+            log_ticks(ax.yaxis)
+            ax.set_ylabel("files/s (log; median, band min–max)", fontsize=8)
+            ax.set_title(f"W4 create + fsync per file, {res['profile']['w4_fsync_threads']} threads", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7, ncol=2)
+        else:
+            ax.axis("off")
+        # within the largest fsync run: rate by tenth (median over runs)
+        for ax, v in ((axes[1], w4f[-1] if w4f else None), (axes[2], next((x for x in w4 if not x["fsync"]), None))):
+            if v is None:
+                ax.axis("off")
+                continue
+            for t in targets:
+                series = [r["metrics"].get("files_per_s_by_tenth") for r in res["runs"]
+                          if r["variant"] == v["id"] and r["target"] == t and r.get("ok")]
+                series = [s for s in series if s and len(s) == 10 and all(x is not None for x in s)]
+                if not series:
+                    continue
+                med = [statistics.median(col) for col in zip(*series)]
+                ax.plot(range(1, 11), med, marker=".", color=COLORS[t], label=LABELS[t])
+            if not ax.lines:
+                ax.axis("off")
+                continue
+            ax.set_yscale("log")
+            log_ticks(ax.yaxis)
+            ax.set_xlabel("tenth of the run (by files created)", fontsize=8)
+            ax.set_ylabel("files/s in that tenth (log, median)", fontsize=8)
+            ax.set_title(wrap(v["label"], 55), fontsize=9)
+            ax.set_xticks(range(1, 11))
+            ax.grid(alpha=0.3, which="both")
+        fig.suptitle("W4 fs_mark-style creates: files/s as directories x files grow", fontsize=11)
+        fig.tight_layout()
+        fig.savefig(outdir / "files_per_s.png", dpi=110)
+
+
+def log_ticks(axis):
+    """Plain-number ticks at 1, 2, 5 x 10^n on a log axis (readable over short spans)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}" if x >= 1 else f"{x:g}"))
+    axis.set_minor_formatter(NullFormatter())
+    axis.set_tick_params(labelsize=8)
+
+
+def wrap(s, width):
+    words, lines, cur = s.split(), [], ""
+    for w in words:
+        if len(cur) + len(w) + 1 > width and cur:
+            lines.append(cur)
+            cur = w
+        else:
+            cur = f"{cur} {w}".strip()
+    lines.append(cur)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+def on_signal(signum, frame):
+    raise Interrupted(f"signal {signum}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    ap.add_argument("--reps", type=int, help="repetitions (>= 2; the full profile uses 3)")
+    ap.add_argument("--work", default="/var/tmp/birchfs-bench", help="work directory for images and mounts")
+    ap.add_argument("--out", help="output directory (default from the profile)")
+    ap.add_argument("--targets", help="comma-separated subset, for debugging only")
+    ap.add_argument("--workloads", help="comma-separated subset (W1,W2,W3,W4 or variant ids), for debugging only")
+    ap.add_argument("--report-only", action="store_true", help="rebuild REPORT.md and PNGs from results.json")
+    a = ap.parse_args()
+
+    prof = dict(PROFILES[a.profile])
+    if a.reps:
+        if a.reps < 2:
+            sys.exit("bench: at least 2 repetitions")
+        prof["reps"] = a.reps
+    outdir = (REPO / (a.out or prof["out"])).resolve()
+    outdir.mkdir(parents=True, exist_ok=True)
+    if a.report_only:
+        res = json.loads((outdir / "results.json").read_text())
+        res["summary"] = summarize(res["runs"])
+        write_report(res, outdir)
+        charts(res, outdir)
+        log(f"wrote {outdir}/REPORT.md and charts")
+        return 0
+    if os.geteuid() != 0:
+        sys.exit("bench: run as root (loop devices, mounts, drop_caches)")
+
+    work = Path(a.work).resolve()
+    if str(work) in ("/", "/var", "/var/tmp", "/tmp") or str(REPO).startswith(str(work) + "/"):
+        sys.exit(f"bench: refusing work directory {work}")
+    work.mkdir(parents=True, exist_ok=True)
+    lockf = open(work / ".lock", "w")
+    try:
+        fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"bench: another harness is running on {work}")
+
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, on_signal)
+
+    targets = TARGETS
+    restricted = []
+    if a.targets:
+        targets = [t for t in TARGETS if t in a.targets.split(",")]
+        restricted.append(f"targets {','.join(targets)}")
+    only = a.workloads.split(",") if a.workloads else None
+    if only:
+        restricted.append(f"workloads {a.workloads}")
+    vs = variants(prof, only)
+
+    t_start = time.monotonic()
+    res = {
+        "profile_name": a.profile,
+        "profile": prof,
+        "command": "make bench" if a.profile == "full" else "make bench-quick",
+        "targets": targets,
+        "variants": vs,
+        "restricted": "; ".join(restricted) or None,
+        "runs": [],
+        "complete": False,
+    }
+    if a.reps:
+        res["command"] += f" (--reps {a.reps})"
+    rc = 0
+    try:
+        cleanup_work(work)
+        ensure_deps()
+        build_passthrough(work)
+        res["machine"] = machine_facts(work)
+        total = len(vs) * prof["reps"] * len(targets)
+        log(f"profile {a.profile}: {len(vs)} variants x {prof['reps']} reps x {len(targets)} targets = {total} runs")
+        i = 0
+        for v in vs:
+            for rep in range(1, prof["reps"] + 1):
+                for tname in targets:
+                    i += 1
+                    tgt = Target(tname, work, prof["image_size"])
+                    rec = {"variant": v["id"], "workload": v["workload"], "target": tname, "rep": rep}
+                    t0 = time.monotonic()
+                    try:
+                        mp = tgt.setup()
+                        if v["kind"] == "fio":
+                            m, extra = run_fio(v, tgt, mp, work)
+                        else:
+                            m, extra = run_fsmark(v, tgt, mp, work)
+                        rec.update(ok=True, metrics=m, **extra)
+                    except RunError as e:
+                        rec.update(ok=False, error=str(e), metrics={})
+                        log(f"run failed: {e}")
+                    finally:
+                        try:
+                            tgt.teardown()
+                        except RunError as e:
+                            log(f"teardown of {tname} failed: {e}")
+                        rec["wall_s"] = time.monotonic() - t0
+                        res["runs"].append(rec)
+                        (work / "results.partial.json").write_text(json.dumps(res))
+                    mm = rec["metrics"]
+                    main = mm.get("files_per_s") if v["kind"] == "fsmark" else mm.get("mib_s")
+                    unit = "files/s" if v["kind"] == "fsmark" else "MiB/s"
+                    lat = mm.get("fsync_p99_us")
+                    log(f"[{i}/{total}] {v['id']:<11} rep {rep} {tname:<13} "
+                        + (f"{fmt(main)} {unit}, fsync p50 {fmt(mm.get('fsync_p50_us'))} p99 {fmt(lat)} µs"
+                           + (f", WA {mm['wa']:.2f}" if mm.get("wa") else "")
+                           if rec["ok"] else "FAILED")
+                        + f" ({rec['wall_s']:.1f} s)")
+        res["complete"] = True
+    except Interrupted as e:
+        log(f"interrupted ({e}); cleaning up")
+        rc = 130
+    except KeyboardInterrupt:
+        log("interrupted; cleaning up")
+        rc = 130
+    finally:
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        kill_children()
+        cleanup_work(work)
+        left = [m for m in mounts() if m[1].startswith(str(work))] + [(d,) for d in loops_under(work)]
+        if left:
+            log(f"warning: still present after cleanup: {left}")
+            rc = rc or 1
+    res["wall_s"] = time.monotonic() - t_start
+    if res["runs"]:
+        res["summary"] = summarize(res["runs"])
+        res.setdefault("machine", machine_facts(work))
+        (outdir / "results.json").write_text(json.dumps(res, indent=1))
+        write_report(res, outdir)
+        charts(res, outdir)
+        log(f"wrote {outdir}/REPORT.md, results.json and charts in {res['wall_s'] / 60:.1f} min")
+    failed = sum(1 for r in res["runs"] if not r.get("ok"))
+    if failed:
+        log(f"{failed} run(s) failed; see REPORT.md")
+        rc = rc or 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
