@@ -30,15 +30,44 @@ const TTL: Duration = Duration::from_secs(1);
 /// (what `birchfs stats` reads). It is not listed and cannot be set.
 pub const STATS_XATTR: &str = "birchfs.stats";
 
+/// An fsync waiting for the log: its target, its reply, when it arrived.
+type PendingFsync = (u64, ReplyEmpty, std::time::Instant);
+
 /// Adapts a [`Fs`] to fuser's `Filesystem` trait.
 pub struct FuseFs {
     fs: Arc<Fs>,
+    syncer: std::sync::mpsc::Sender<PendingFsync>,
 }
 
 impl FuseFs {
     /// Serves `fs` through FUSE.
     pub fn new(fs: Arc<Fs>) -> FuseFs {
-        FuseFs { fs }
+        let (tx, rx) = std::sync::mpsc::channel::<PendingFsync>();
+        let f = fs.clone();
+        std::thread::Builder::new()
+            .name("fsync".into())
+            .spawn(move || syncer(f, rx))
+            .expect("spawn the fsync thread");
+        FuseFs { fs, syncer: tx }
+    }
+}
+
+/// Group commit for FUSE: request threads queue fsyncs here instead of waiting; this
+/// thread takes everything queued, makes the log durable up to the highest target
+/// with one batch and one flush, and answers every one of them.
+fn syncer(fs: Arc<Fs>, rx: std::sync::mpsc::Receiver<PendingFsync>) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        batch.extend(rx.try_iter());
+        let target = batch.iter().map(|b| b.0).max().unwrap_or(0);
+        let r = fs.sync_to(target);
+        for (_, reply, t0) in batch {
+            fs.record_fsync_latency(t0.elapsed());
+            match &r {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(e)),
+            }
+        }
     }
 }
 
@@ -120,6 +149,31 @@ impl FuseFs {
             }
         }
         (c, sgid)
+    }
+
+    /// fsync and fdatasync: answered at once when nothing is new, else by the syncer.
+    /// (fdatasync needs the same records: data extents and the size are what it keeps.)
+    fn queue_fsync(&self, ino: u64, reply: ReplyEmpty) {
+        let t0 = std::time::Instant::now();
+        match self.fs.fsync_target(ino) {
+            None => {
+                self.fs.record_fsync_latency(t0.elapsed());
+                reply.ok()
+            }
+            Some(t) => {
+                if let Err(std::sync::mpsc::SendError((t, reply, t0))) =
+                    self.syncer.send((t, reply, t0))
+                {
+                    // The syncer is gone (shutting down): sync here.
+                    let r = self.fs.sync_to(t);
+                    self.fs.record_fsync_latency(t0.elapsed());
+                    match r {
+                        Ok(()) => reply.ok(),
+                        Err(e) => reply.error(errno(&e)),
+                    }
+                }
+            }
+        }
     }
 
     fn entry(&self, r: crate::Result<Attr>, reply: ReplyEntry) {
@@ -415,13 +469,10 @@ impl Filesystem for FuseFs {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        datasync: bool,
+        _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fsync(to_ino(ino), datasync) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        self.queue_fsync(to_ino(ino), reply)
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -503,13 +554,10 @@ impl Filesystem for FuseFs {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        datasync: bool,
+        _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.fsync(to_ino(ino), datasync) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        self.queue_fsync(to_ino(ino), reply)
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

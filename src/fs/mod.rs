@@ -270,28 +270,44 @@ impl Fs {
     /// fsyncs that arrive while a batch is written wait for the lock and usually find
     /// their records already durable (group commit).
     pub fn fsync(&self, ino: u64, _datasync: bool) -> Result<()> {
-        Stats::add(&self.stats.fsyncs, 1);
-        if self.opts.readonly {
-            return Ok(());
-        }
         let t0 = std::time::Instant::now();
-        let target = {
-            let g = self.inner.lock();
-            if g.store.log.overflow {
-                Some(u64::MAX)
-            } else {
-                g.store.log.target(ino)
-            }
-        };
-        let r = match target {
-            None => {
-                Stats::add(&self.stats.fsyncs_noop, 1);
-                Ok(())
-            }
-            Some(t) => self.log_sync(t),
+        let r = match self.fsync_target(ino) {
+            None => Ok(()),
+            Some(t) => self.sync_to(t),
         };
         self.stats.fsync_latency.record(t0.elapsed());
         r
+    }
+
+    /// The first half of an fsync of `ino`: `None` when everything about it is already
+    /// durable (the fsync is done), else the log position [`Fs::sync_to`] must reach.
+    /// Lets a server queue fsyncs and answer them from one writer (group commit).
+    pub fn fsync_target(&self, ino: u64) -> Option<u64> {
+        Stats::add(&self.stats.fsyncs, 1);
+        if self.opts.readonly {
+            Stats::add(&self.stats.fsyncs_noop, 1);
+            return None;
+        }
+        let g = self.inner.lock();
+        let t = if g.store.log.overflow {
+            Some(u64::MAX)
+        } else {
+            g.store.log.target(ino)
+        };
+        if t.is_none() {
+            Stats::add(&self.stats.fsyncs_noop, 1);
+        }
+        t
+    }
+
+    /// Makes the log durable up to `target` (from [`Fs::fsync_target`]).
+    pub fn sync_to(&self, target: u64) -> Result<()> {
+        self.log_sync(target)
+    }
+
+    /// Records an fsync's latency, for servers that answer fsyncs themselves.
+    pub fn record_fsync_latency(&self, d: std::time::Duration) {
+        self.stats.fsync_latency.record(d);
     }
 
     /// Makes every record up to `target` durable: one log batch, or a full commit when
