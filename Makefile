@@ -5,7 +5,7 @@ IMAGE ?= birchfs.img
 MNT ?= mnt
 SIZE ?= 4G
 
-.PHONY: all build deps mount test test-long lint fmt clean
+.PHONY: all build deps mount test test-long lint fmt clean fuzz fuzz-quick
 
 all: build
 
@@ -26,10 +26,21 @@ mount: deps build
 test: deps
 	$(CARGO) build --release
 	$(CARGO) test --release -- --test-threads=2
+	@if $(CARGO) +nightly fuzz --version >/dev/null 2>&1; then $(MAKE) --no-print-directory fuzz-quick; \
+	 else echo "fuzz: skipped (needs nightly Rust and cargo-fuzz); tests/hostile.rs covered damaged images"; fi
 
 # The long variants (1 GiB data tests, more model cases).
 test-long: deps
 	BIRCHFS_LONG=1 PROPTEST_CASES=2000 $(CARGO) test --release -- --test-threads=2
+	$(MAKE) --no-print-directory fuzz FUZZ_RUNS=20000
+
+# cargo-fuzz targets (fuzz/): a damaged or hostile image, and operation sequences
+# against a model. Fixed seed and run count; the corpus lives in fuzz/corpus.
+FUZZ_RUNS ?= 300
+fuzz-quick: fuzz
+fuzz:
+	cd fuzz && $(CARGO) +nightly fuzz run ops corpus/ops -- -runs=$(FUZZ_RUNS) -seed=1
+	cd fuzz && $(CARGO) +nightly fuzz run mount_image corpus/mount_image -- -runs=$(FUZZ_RUNS) -seed=1
 
 lint:
 	$(CARGO) fmt --all -- --check

@@ -341,16 +341,28 @@ fn record(base: &[u8], ops: Vec<Op>) -> (Arc<CrashDev>, Run) {
 
 /// A crash while mounting `image` (during log replay and its commit): every state the
 /// mount's own writes could leave must verify too. Returns how many were checked.
-fn verify_crash_during_replay(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str, rng: &mut StdRng) -> usize {
+fn verify_crash_during_replay(
+    image: Vec<u8>,
+    run: &Run,
+    flushed_upto: usize,
+    what: &str,
+    rng: &mut StdRng,
+) -> usize {
     let dev = Arc::new(CrashDev::new(image));
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap_or_else(|e| panic!("{what}: mount: {e}"));
+    let fs =
+        Fs::open(dev.clone(), Options::default()).unwrap_or_else(|e| panic!("{what}: mount: {e}"));
     drop(fs);
     let ops = dev.ops();
     let mut n = 0;
     let mut cuts: Vec<usize> = dev.flush_points();
     cuts.extend((0..ops.len()).filter(|_| rng.gen_bool(0.2)));
     for cut in cuts {
-        verify(dev.image_with(cut, &[]), run, flushed_upto, &format!("{what}, then a crash after {cut} writes of its replay"));
+        verify(
+            dev.image_with(cut, &[]),
+            run,
+            flushed_upto,
+            &format!("{what}, then a crash after {cut} writes of its replay"),
+        );
         n += 1;
     }
     n
@@ -469,7 +481,13 @@ fn crash_states(dev: &CrashDev, run: &Run, rng: &mut StdRng, per_gap: usize) -> 
         verify(dev.image_with(b, &[]), run, b, &format!("flush point {b}"));
         n += 1;
         if bi % 2 == 1 {
-            n += verify_crash_during_replay(dev.image_with(b, &[]), run, b, &format!("flush point {b}"), rng);
+            n += verify_crash_during_replay(
+                dev.image_with(b, &[]),
+                run,
+                b,
+                &format!("flush point {b}"),
+                rng,
+            );
         }
         if tail.is_empty() {
             continue;
