@@ -33,7 +33,7 @@
 //! serialised (the fs commit lock), so a new generation never overwrites the log of a
 //! generation whose commit is not yet durable.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -171,6 +171,11 @@ pub(crate) struct LogBuffer {
     committing_lsn: u64,
     /// Inode -> LSN just past its last record.
     last: HashMap<u64, u64>,
+    /// Inodes with records in the pending buffer.
+    pending_inos: HashSet<u64>,
+    /// Inodes with records in a batch already written in this generation: their next
+    /// fsync logs only what changed since (seed 1's case), counted in stats.
+    logged_inos: HashSet<u64>,
     /// Bytes of the log area used by this generation's batches.
     tail: u64,
     seq: u64,
@@ -197,6 +202,7 @@ impl LogBuffer {
         self.next_lsn += 1;
         if let Some(ino) = op.inode() {
             self.last.insert(ino, lsn + 1);
+            self.pending_inos.insert(ino);
         }
         if self.overflow {
             return;
@@ -217,6 +223,11 @@ impl LogBuffer {
             Some(&l) if l > self.durable_lsn => Some(l),
             _ => None,
         }
+    }
+
+    /// Whether `ino` already went to the log in this generation.
+    pub(crate) fn logged_before(&self, ino: u64) -> bool {
+        self.logged_inos.contains(&ino)
     }
 
     /// Takes every pending record as one batch; `None` if the log cannot hold it.
@@ -256,12 +267,16 @@ impl LogBuffer {
         self.tail += padded;
         self.seq += 1;
         self.pending_records = 0;
+        let inos = std::mem::take(&mut self.pending_inos);
+        self.logged_inos.extend(inos);
         Some(b)
     }
 
     /// A commit is being prepared: everything recorded so far is in it.
     pub(crate) fn commit_started(&mut self) {
         self.pending.clear();
+        self.pending_inos.clear();
+        self.logged_inos.clear();
         self.pending_records = 0;
         self.committing_lsn = self.next_lsn;
         self.tail = 0;
@@ -384,6 +399,7 @@ mod tests {
         let b1 = l.take_batch(&fsid, 7).unwrap();
         l.batch_done(b1.end_lsn);
         assert_eq!(l.target(300), None, "logged inode: nothing new");
+        assert!(l.logged_before(300) && !l.logged_before(301));
         l.record(LogOp::Insert {
             tree: tree::FS,
             key: Key::new(301, 1, 0),

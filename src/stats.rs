@@ -9,6 +9,9 @@ pub struct Stats {
     pub fsyncs: AtomicU64,
     /// fsyncs that returned without I/O (nothing new to make durable).
     pub fsyncs_noop: AtomicU64,
+    /// fsyncs of an inode already logged in the running generation (only its new
+    /// changes went to the log).
+    pub fsyncs_relogged: AtomicU64,
     /// Full commits.
     pub commits: AtomicU64,
     /// Bytes of file data written by users.
@@ -44,6 +47,7 @@ impl Stats {
         StatsSnapshot {
             fsyncs: g(&self.fsyncs),
             fsyncs_noop: g(&self.fsyncs_noop),
+            fsyncs_relogged: g(&self.fsyncs_relogged),
             commits: g(&self.commits),
             user_bytes: g(&self.user_bytes),
             dev_data_bytes: g(&self.dev_data_bytes),
@@ -66,6 +70,8 @@ pub struct StatsSnapshot {
     pub fsyncs: u64,
     /// See [`Stats::fsyncs_noop`].
     pub fsyncs_noop: u64,
+    /// See [`Stats::fsyncs_relogged`].
+    pub fsyncs_relogged: u64,
     /// See [`Stats::commits`].
     pub commits: u64,
     /// See [`Stats::user_bytes`].
@@ -196,13 +202,14 @@ impl StatsSnapshot {
     pub fn to_json(&self) -> String {
         format!(
             concat!(
-                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"log_commits\":{},\"full_commits\":{},",
+                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{}}},\"flushes\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
             ),
             self.fsyncs,
             self.fsyncs_noop,
+            self.fsyncs_relogged,
             self.log_commits,
             self.commits,
             self.fallbacks,
@@ -224,6 +231,11 @@ impl StatsSnapshot {
         let row = |s: &mut String, k: &str, v: String| s.push_str(&format!("{k:<22} {v}\n"));
         row(&mut s, "fsyncs", self.fsyncs.to_string());
         row(&mut s, "  answered at once", self.fsyncs_noop.to_string());
+        row(
+            &mut s,
+            "  of inodes logged before",
+            self.fsyncs_relogged.to_string(),
+        );
         row(&mut s, "log commits", self.log_commits.to_string());
         row(&mut s, "full commits", self.commits.to_string());
         row(&mut s, "log fallbacks", self.fallbacks.to_string());

@@ -234,9 +234,17 @@ impl Inner {
         }
         let ino = self.next_ino;
         self.next_ino += 1;
+        let mut item = self.fresh_inode(mode, rdev, uid, gid);
+        self.put_inode(ino, &mut item)?;
+        Ok((ino, item))
+    }
+
+    /// An inode item as a new inode of `mode` starts: all times now, one link (two
+    /// for a directory), the first readdir index after `.` and `..`.
+    fn fresh_inode(&self, mode: u32, rdev: u64, uid: u32, gid: u32) -> InodeItem {
         let now = Timespec::now();
         let dir = mode & libc::S_IFMT == libc::S_IFDIR;
-        let mut item = InodeItem {
+        InodeItem {
             generation: self.store.generation.into(),
             nlink: (if dir { 2 } else { 1 }).into(),
             uid: uid.into(),
@@ -249,24 +257,11 @@ impl Inner {
             ctime: now,
             crtime: now,
             ..Default::default()
-        };
-        self.put_inode(ino, &mut item)?;
-        Ok((ino, item))
+        }
     }
 
     pub(crate) fn make_root_dir(&mut self) -> Result<()> {
-        let now = Timespec::now();
-        let mut item = InodeItem {
-            generation: self.store.generation.into(),
-            nlink: 2.into(),
-            mode: (libc::S_IFDIR | 0o755).into(),
-            next_index: 3.into(),
-            atime: now,
-            mtime: now,
-            ctime: now,
-            crtime: now,
-            ..Default::default()
-        };
+        let mut item = self.fresh_inode(libc::S_IFDIR | 0o755, 0, 0, 0);
         self.put_inode(objectid::ROOT_DIR, &mut item)
     }
 

@@ -294,8 +294,10 @@ impl Fs {
         } else {
             g.store.log.target(ino)
         };
-        if t.is_none() {
-            Stats::add(&self.stats.fsyncs_noop, 1);
+        match t {
+            None => Stats::add(&self.stats.fsyncs_noop, 1),
+            Some(_) if g.store.log.logged_before(ino) => Stats::add(&self.stats.fsyncs_relogged, 1),
+            Some(_) => {}
         }
         t
     }

@@ -380,3 +380,42 @@ fn readonly_refuses_changes() {
         Err(Error::ReadOnly)
     ));
 }
+
+#[test]
+fn fsync_goes_to_the_log_and_counts_seed_one_cases() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, b"one").unwrap();
+    let s0 = fs.stats();
+    fs.fsync(f.ino, false).unwrap();
+    let s1 = fs.stats();
+    assert_eq!(
+        s1.log_commits,
+        s0.log_commits + 1,
+        "an fsync writes one log batch"
+    );
+    assert_eq!(s1.commits, s0.commits, "and no full commit");
+    fs.fsync(f.ino, false).unwrap();
+    let s2 = fs.stats();
+    assert_eq!(
+        s2.fsyncs_noop,
+        s1.fsyncs_noop + 1,
+        "nothing new: answered at once"
+    );
+    assert_eq!(s2.log_commits, s1.log_commits);
+    fs.write(f.ino, 3, b"two").unwrap();
+    fs.fsync(f.ino, true).unwrap();
+    let s3 = fs.stats();
+    assert_eq!(
+        s3.fsyncs_relogged,
+        s2.fsyncs_relogged + 1,
+        "logged before in this generation"
+    );
+    assert_eq!(s3.log_commits, s2.log_commits + 1);
+    // The log alone makes it durable: the image as it is now (no commit) mounts with it.
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs); // its final commit goes to `dev`, not to the crashed copy
+    let fs = Fs::open(crashed, Options::default()).unwrap();
+    let a = fs.lookup(ROOT_INO, b"f").unwrap();
+    assert_eq!(fs.read(a.ino, 0, 10).unwrap(), b"onetwo");
+}
