@@ -12,6 +12,7 @@
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::{FallocMode, Inner};
+use crate::dev::BlockDev;
 use crate::error::{Error, Result};
 use crate::format::{
     csum, kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE,
@@ -87,20 +88,30 @@ impl Inner {
         }
     }
 
-    /// Reads `[off, off+len)` of the file (clamped to its size).
-    pub(crate) fn read(&mut self, ino: u64, off: u64, len: u64) -> Result<Vec<u8>> {
+    /// Plans a read of `[off, off+len)` of the file (clamped to its size).
+    pub(crate) fn read_plan(&mut self, ino: u64, off: u64, len: u64) -> Result<ReadPlan> {
         let i = self.check_file(ino)?;
         let size = i.size.get();
         if off >= size {
-            return Ok(Vec::new());
+            return Ok(ReadPlan::default());
         }
         let end = (off + len).min(size);
-        self.read_range(ino, off, end)
+        self.plan_range(ino, off, end)
     }
 
-    /// Reads `[off, end)` regardless of the size; holes and prealloc read as zeros.
+    /// Reads `[off, end)` regardless of the size, under the fs lock.
     fn read_range(&mut self, ino: u64, off: u64, end: u64) -> Result<Vec<u8>> {
-        let mut out = vec![0u8; (end - off) as usize];
+        let plan = self.plan_range(ino, off, end)?;
+        plan.execute(self.store.dev.as_ref())
+    }
+
+    /// Which disk blocks hold `[off, end)`, with their checksums; holes and
+    /// preallocated ranges read as zeros.
+    fn plan_range(&mut self, ino: u64, off: u64, end: u64) -> Result<ReadPlan> {
+        let mut plan = ReadPlan {
+            len: (end - off) as usize,
+            ..Default::default()
+        };
         for (foff, fe) in self.extents_in(ino, off, end)? {
             if fe.kind == FILE_EXTENT_PREALLOC {
                 continue;
@@ -114,42 +125,29 @@ impl Inner {
             // Whole blocks of the disk extent that hold [s, e).
             let bs = (s - foff) / BS * BS;
             let be = round_up(e - foff);
-            let disk = fe
-                .disk_bytenr
-                .get()
+            let extent = fe.disk_bytenr.get();
+            let disk = extent
                 .checked_add(fe.offset.get())
                 .filter(|d| fe.offset.get() < fe.disk_len.get() && d.checked_add(be).is_some())
                 .ok_or_else(|| Error::corrupt("file extent", ino, "points outside the device"))?;
-            let mut buf = vec![0u8; (be - bs) as usize];
-            self.store.dev.read_at(&mut buf, disk + bs)?;
-            self.verify_blocks(fe.disk_bytenr.get(), fe.offset.get() + bs, &buf)?;
-            let from = (s - foff - bs) as usize;
-            out[(s - off) as usize..(e - off) as usize]
-                .copy_from_slice(&buf[from..from + (e - s) as usize]);
-        }
-        Ok(out)
-    }
-
-    /// Checks `buf`, read at `extent + within`, against the extent's checksums.
-    fn verify_blocks(&mut self, extent: u64, within: u64, buf: &[u8]) -> Result<()> {
-        let sums = self
-            .store
-            .search(tree::CSUM, &csum_key(extent))?
-            .ok_or_else(|| Error::corrupt("data extent", extent, "no checksums"))?;
-        for (n, block) in buf.chunks(BS as usize).enumerate() {
-            let idx = (within / BS) as usize + n;
-            let want = sums
-                .get(idx * 4..idx * 4 + 4)
-                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
-                .ok_or_else(|| Error::corrupt("data extent", extent, "checksum item too short"))?;
-            if csum(block) != want {
-                let addr = extent + within + n as u64 * BS;
-                let e = Error::corrupt("data block", addr, "checksum mismatch");
-                tracing::error!("{e}");
-                return Err(e);
+            if let std::collections::hash_map::Entry::Vacant(v) = plan.sums.entry(extent) {
+                let sums = self
+                    .store
+                    .search(tree::CSUM, &csum_key(extent))?
+                    .ok_or_else(|| Error::corrupt("data extent", extent, "no checksums"))?;
+                v.insert(sums);
             }
+            plan.pieces.push(ReadPiece {
+                out: (s - off) as usize,
+                disk: disk + bs,
+                blocks_len: (be - bs) as usize,
+                skip: (s - foff - bs) as usize,
+                take: (e - s) as usize,
+                extent,
+                within: fe.offset.get() + bs,
+            });
         }
-        Ok(())
+        Ok(plan)
     }
 
     /// Removes the file's mapping of `[start, end)` (block aligned), dropping references
@@ -196,47 +194,47 @@ impl Inner {
         Ok(freed)
     }
 
-    /// Writes whole blocks `buf` at block-aligned `off`, copy-on-write. All space is
-    /// allocated before the old mapping is dropped, so ENOSPC leaves the file as it was.
-    fn write_blocks(&mut self, ino: u64, i: &mut InodeItem, off: u64, buf: &[u8]) -> Result<()> {
-        let end = off + buf.len() as u64;
-        let mut got_space: Vec<(u64, u64)> = Vec::new();
-        let mut need = buf.len() as u64;
+    /// Allocates `len` bytes of data space as one or more extents; all or nothing.
+    fn alloc_space(&mut self, len: u64) -> Result<Vec<(u64, u64)>> {
+        let mut space: Vec<(u64, u64)> = Vec::new();
+        let mut need = len;
         while need > 0 {
             match self.store.alloc_data(need.min(MAX_EXTENT_SIZE)) {
                 Ok((a, l)) => {
-                    got_space.push((a, l));
+                    space.push((a, l));
                     need -= l;
                 }
                 Err(e) => {
-                    for (a, l) in got_space {
-                        self.store.alloc.release_unused(a, l);
-                    }
+                    self.release_space(&space);
                     return Err(e);
                 }
             }
         }
-        let mut pos = 0usize;
-        for &(addr, got) in &got_space {
-            let chunk = &buf[pos..pos + got as usize];
-            if let Err(e) = self.store.dev.write_at(chunk, addr) {
-                for &(a, l) in &got_space {
-                    self.store.alloc.release_unused(a, l);
-                }
-                return Err(e.into());
-            }
-            Stats::add(&self.store.stats.dev_data_bytes, got);
-            pos += got as usize;
+        Ok(space)
+    }
+
+    /// Returns space allocated for a write that did not happen.
+    pub(crate) fn release_space(&mut self, space: &[(u64, u64)]) {
+        for &(a, l) in space {
+            self.store.alloc.release_unused(a, l);
         }
-        let dropped = self.drop_range(ino, off, end)?;
+    }
+
+    /// Maps `space` (already holding the data, with `sums` per extent) at
+    /// block-aligned `off`, replacing what was there.
+    fn map_blocks(
+        &mut self,
+        ino: u64,
+        i: &mut InodeItem,
+        off: u64,
+        space: &[(u64, u64)],
+        sums: Vec<Vec<u8>>,
+    ) -> Result<()> {
+        let len: u64 = space.iter().map(|s| s.1).sum();
+        let dropped = self.drop_range(ino, off, off + len)?;
         let mut nbytes = i.nbytes.get().saturating_sub(dropped);
-        let mut pos = 0usize;
-        for (addr, got) in got_space {
-            let chunk = &buf[pos..pos + got as usize];
-            let sums: Vec<u8> = chunk
-                .chunks(BS as usize)
-                .flat_map(|b| csum(b).to_le_bytes())
-                .collect();
+        let mut pos = off;
+        for (&(addr, got), sums) in space.iter().zip(sums) {
             self.store.insert(tree::CSUM, csum_key(addr), sums)?;
             let fe = FileExtent {
                 generation: self.store.generation.into(),
@@ -247,27 +245,46 @@ impl Inner {
                 offset: 0.into(),
                 num_bytes: got.into(),
             };
-            self.store.insert(
-                tree::FS,
-                extent_key(ino, off + pos as u64),
-                fe.as_bytes().to_vec(),
-            )?;
+            self.store
+                .insert(tree::FS, extent_key(ino, pos), fe.as_bytes().to_vec())?;
             self.store.data_ref(addr, got, 1);
             nbytes += got;
-            pos += got as usize;
+            pos += got;
         }
         i.nbytes = nbytes.into();
         Ok(())
     }
 
-    pub(crate) fn write(&mut self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
-        let mut i = self.check_file(ino)?;
-        if data.is_empty() {
-            return Ok(0);
-        }
+    /// Writes whole blocks `buf` at block-aligned `off`, copy-on-write, all under the
+    /// fs lock (truncate and hole punching). Space is allocated before the old mapping
+    /// is dropped, so ENOSPC leaves the file as it was.
+    fn write_blocks(&mut self, ino: u64, i: &mut InodeItem, off: u64, buf: &[u8]) -> Result<()> {
+        let space = self.alloc_space(buf.len() as u64)?;
+        let sums = match write_extents(self.store.dev.as_ref(), &self.store.stats, &space, buf) {
+            Ok(s) => s,
+            Err(e) => {
+                self.release_space(&space);
+                return Err(e);
+            }
+        };
+        self.map_blocks(ino, i, off, &space, sums)
+    }
+
+    /// First half of a write, under the fs lock: checks, the partial blocks around the
+    /// range, and the space. The data goes to the device without the lock.
+    pub(crate) fn write_prepare(&mut self, ino: u64, off: u64, data: &[u8]) -> Result<WritePlan> {
+        let i = self.check_file(ino)?;
         let end = off.checked_add(data.len() as u64).ok_or(Error::TooBig)?;
         if end > MAX_FILE_SIZE {
             return Err(Error::TooBig);
+        }
+        if data.is_empty() {
+            return Ok(WritePlan {
+                bstart: off,
+                end,
+                buf: Vec::new(),
+                space: Vec::new(),
+            });
         }
         if !self
             .store
@@ -296,15 +313,41 @@ impl Inner {
             let z = (end - bstart) as usize;
             buf[z..].fill(0);
         }
-        self.write_blocks(ino, &mut i, bstart, &buf)?;
+        let space = self.alloc_space(buf.len() as u64)?;
+        Ok(WritePlan {
+            bstart,
+            end,
+            buf,
+            space,
+        })
+    }
+
+    /// Second half of a write, under the fs lock: maps the written extents and updates
+    /// size and times.
+    pub(crate) fn write_finish(
+        &mut self,
+        ino: u64,
+        plan: WritePlan,
+        sums: Vec<Vec<u8>>,
+    ) -> Result<()> {
+        let mut i = match self.check_file(ino) {
+            Ok(i) => i,
+            Err(e) => {
+                self.release_space(&plan.space);
+                return Err(e);
+            }
+        };
+        if plan.space.is_empty() {
+            return Ok(());
+        }
+        self.map_blocks(ino, &mut i, plan.bstart, &plan.space, sums)?;
         let now = Timespec::now();
-        if end > size {
-            i.size = end.into();
+        if plan.end > i.size.get() {
+            i.size = plan.end.into();
         }
         i.mtime = now;
         i.ctime = now;
-        self.put_inode(ino, &mut i)?;
-        Ok(data.len())
+        self.put_inode(ino, &mut i)
     }
 
     /// Sets the size: frees blocks past a shorter size and zeroes the rest of the last
@@ -421,5 +464,95 @@ impl Inner {
         i.mtime = now;
         i.ctime = now;
         self.put_inode(ino, &mut i)
+    }
+}
+
+/// A write with its space allocated and its data assembled in whole blocks.
+pub(crate) struct WritePlan {
+    bstart: u64,
+    end: u64,
+    pub(crate) buf: Vec<u8>,
+    pub(crate) space: Vec<(u64, u64)>,
+}
+
+/// Writes `buf` into the extents of `space`, in order; returns each extent's
+/// checksums. Needs no lock: the space belongs to the caller until it is mapped.
+pub(crate) fn write_extents(
+    dev: &dyn BlockDev,
+    stats: &Stats,
+    space: &[(u64, u64)],
+    buf: &[u8],
+) -> Result<Vec<Vec<u8>>> {
+    let mut pos = 0usize;
+    let mut all = Vec::with_capacity(space.len());
+    for &(addr, got) in space {
+        let chunk = &buf[pos..pos + got as usize];
+        dev.write_at(chunk, addr)?;
+        Stats::add(&stats.dev_data_bytes, got);
+        all.push(
+            chunk
+                .chunks(BS as usize)
+                .flat_map(|b| csum(b).to_le_bytes())
+                .collect(),
+        );
+        pos += got as usize;
+    }
+    Ok(all)
+}
+
+/// One contiguous run of disk blocks a read needs.
+#[derive(Debug)]
+struct ReadPiece {
+    /// Where the wanted bytes go in the output.
+    out: usize,
+    /// Device address of the first whole block.
+    disk: u64,
+    /// Bytes of whole blocks to read.
+    blocks_len: usize,
+    /// Bytes to skip at the start of those blocks.
+    skip: usize,
+    /// Bytes wanted.
+    take: usize,
+    /// The disk extent, whose checksum item covers these blocks.
+    extent: u64,
+    /// Offset of the first block within the extent.
+    within: u64,
+}
+
+/// A read resolved to disk blocks and checksums, carried out without the fs lock
+/// while the file's lock keeps its extents from being freed.
+#[derive(Debug, Default)]
+pub(crate) struct ReadPlan {
+    len: usize,
+    pieces: Vec<ReadPiece>,
+    sums: std::collections::HashMap<u64, Vec<u8>>,
+}
+
+impl ReadPlan {
+    /// Reads and verifies every block; a checksum mismatch is EIO, never data.
+    pub(crate) fn execute(&self, dev: &dyn BlockDev) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.len];
+        for p in &self.pieces {
+            let mut buf = vec![0u8; p.blocks_len];
+            dev.read_at(&mut buf, p.disk)?;
+            let sums = &self.sums[&p.extent];
+            for (n, block) in buf.chunks(BS as usize).enumerate() {
+                let idx = (p.within / BS) as usize + n;
+                let want = sums
+                    .get(idx * 4..idx * 4 + 4)
+                    .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                    .ok_or_else(|| {
+                        Error::corrupt("data extent", p.extent, "checksum item too short")
+                    })?;
+                if csum(block) != want {
+                    let e =
+                        Error::corrupt("data block", p.disk + n as u64 * BS, "checksum mismatch");
+                    tracing::error!("{e}");
+                    return Err(e);
+                }
+            }
+            out[p.out..p.out + p.take].copy_from_slice(&buf[p.skip..p.skip + p.take]);
+        }
+        Ok(out)
     }
 }

@@ -1,8 +1,9 @@
 //! The filesystem: namespace, inodes, files and extended attributes, over the trees.
 //!
-//! Lock order: `commit_lock` before `inner`. `inner` is never held across a commit's
-//! device I/O (see `txn`), so lookups, reads and writes go on while a commit flushes.
-//! File data I/O runs under `inner` in this version.
+//! Lock order: a file's lock (sharded `file_locks`), then `commit_lock`, then `inner`.
+//! `inner` is never held across a commit's device I/O (see `txn`), nor across the data
+//! I/O of reads and writes: lookups, reads and writes go on while a commit flushes, and
+//! reads and writes of different files go on together.
 
 mod dir;
 mod file;
@@ -14,7 +15,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::dev::{BlockDev, FileDev};
 use crate::error::{Error, Result};
@@ -133,12 +134,17 @@ pub(crate) struct Inner {
 
 /// A mounted birchfs: the library's front door. All methods are thread-safe.
 pub struct Fs {
+    /// Per-file locks, sharded by inode number (taken before `inner`).
+    file_locks: Vec<RwLock<()>>,
     pub(crate) inner: Mutex<Inner>,
     commit_lock: Mutex<()>,
     dev: Arc<dyn BlockDev>,
     stats: Arc<Stats>,
     opts: Options,
 }
+
+/// Shards of the per-file lock table.
+const FILE_LOCK_SHARDS: usize = 64;
 
 /// Dirty tree nodes that trigger a commit at the end of an operation.
 const DIRTY_COMMIT_NODES: usize = 8192;
@@ -171,6 +177,7 @@ impl Fs {
         inner.store.log.enabled = !opts.readonly;
         inner.next_ino = inner.find_next_ino()?;
         let fs = Fs {
+            file_locks: (0..FILE_LOCK_SHARDS).map(|_| RwLock::new(())).collect(),
             inner: Mutex::new(inner),
             commit_lock: Mutex::new(()),
             dev,
@@ -400,6 +407,7 @@ impl Fs {
 
     /// Changes attributes; size changes truncate or extend the file.
     pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
+        let _f = set.size.map(|_| self.file_lock(ino).write());
         self.with_space(|i| i.setattr(ino, set))
     }
 
@@ -458,15 +466,39 @@ impl Fs {
     }
 
     /// Reads up to `size` bytes at `offset`.
+    ///
+    /// The blocks are found under the fs lock and read without it; the file's lock,
+    /// held shared, keeps them from being freed meanwhile.
     pub fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>> {
-        self.with(|i| i.read(ino, offset, size as u64))
+        let _f = self.file_lock(ino).read();
+        let plan = self.with(|i| i.read_plan(ino, offset, size as u64))?;
+        plan.execute(self.dev.as_ref())
+    }
+
+    /// The lock that orders writes, size changes and reads of one file.
+    fn file_lock(&self, ino: u64) -> &RwLock<()> {
+        &self.file_locks[(ino % FILE_LOCK_SHARDS as u64) as usize]
     }
 
     /// Writes `data` at `offset`; returns the bytes written.
+    ///
+    /// Space is allocated under the fs lock, the data goes to the device without it,
+    /// and the new extents are mapped under it again; the file's lock keeps other
+    /// writes, truncates and reads of the same file out of the middle.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
-        let n = self.with_space(|i| i.write(ino, offset, data))?;
-        Stats::add(&self.stats.user_bytes, n as u64);
-        Ok(n)
+        let _f = self.file_lock(ino).write();
+        let plan = self.with_space(|i| i.write_prepare(ino, offset, data))?;
+        let sums = match file::write_extents(self.dev.as_ref(), &self.stats, &plan.space, &plan.buf)
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.inner.lock().release_space(&plan.space);
+                return Err(e);
+            }
+        };
+        self.with(|i| i.write_finish(ino, plan, sums))?;
+        Stats::add(&self.stats.user_bytes, data.len() as u64);
+        Ok(data.len())
     }
 
     /// Where a file's data lives on the device, in file order (holes are absent).
@@ -476,6 +508,7 @@ impl Fs {
 
     /// Allocates, or with `punch_hole` deallocates, a range.
     pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: FallocMode) -> Result<()> {
+        let _f = self.file_lock(ino).write();
         self.with_space(|i| i.fallocate(ino, offset, len, mode))
     }
 
