@@ -68,6 +68,9 @@ fn syncer(fs: Arc<Fs>, rx: std::sync::mpsc::Receiver<PendingFsync>) {
                 Err(e) => reply.error(errno(e)),
             }
         }
+        if let Err(e) = fs.commit_if_log_full() {
+            tracing::error!("commit of a full log failed: {e}");
+        }
     }
 }
 

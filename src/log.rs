@@ -225,6 +225,11 @@ impl LogBuffer {
         }
     }
 
+    /// Whether the area is over half used: time to commit, before an fsync has to.
+    pub(crate) fn wants_commit(&self) -> bool {
+        self.overflow || self.tail > self.capacity / 2
+    }
+
     /// Whether `ino` already went to the log in this generation.
     pub(crate) fn logged_before(&self, ino: u64) -> bool {
         self.logged_inos.contains(&ino)

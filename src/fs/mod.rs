@@ -283,7 +283,8 @@ impl Fs {
             Some(t) => self.sync_to(t),
         };
         self.stats.fsync_latency.record(t0.elapsed());
-        r
+        r?;
+        self.commit_if_log_full()
     }
 
     /// The first half of an fsync of `ino`: `None` when everything about it is already
@@ -312,6 +313,15 @@ impl Fs {
     /// Makes the log durable up to `target` (from [`Fs::fsync_target`]).
     pub fn sync_to(&self, target: u64) -> Result<()> {
         self.log_sync(target)
+    }
+
+    /// Commits when the log area is over half full, so that fsyncs keep finding room
+    /// in it; servers call this after answering the fsyncs of a batch.
+    pub fn commit_if_log_full(&self) -> Result<()> {
+        if self.inner.lock().store.log.wants_commit() {
+            self.commit()?;
+        }
+        Ok(())
     }
 
     /// Records an fsync's latency, for servers that answer fsyncs themselves.

@@ -419,3 +419,17 @@ fn fsync_goes_to_the_log_and_counts_seed_one_cases() {
     let a = fs.lookup(ROOT_INO, b"f").unwrap();
     assert_eq!(fs.read(a.ino, 0, 10).unwrap(), b"onetwo");
 }
+
+#[test]
+fn a_half_full_log_is_committed_before_an_fsync_must_fall_back() {
+    let (_dev, fs) = mk(40 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    for i in 0..400u64 {
+        fs.write(f.ino, i * 4096, &[i as u8; 4096]).unwrap();
+        fs.fsync(f.ino, false).unwrap();
+    }
+    let s = fs.stats();
+    assert!(s.commits > 0, "the log area (1.25 MiB here) filled: {s:?}");
+    assert_eq!(s.fallbacks, 0, "no fsync had to fall back to a commit");
+    assert!(s.log_commits >= 390);
+}
