@@ -186,7 +186,7 @@ impl FuseFs {
         }
     }
 
-    /// Creates a node and pins it for the entry the kernel receives.
+    /// Creates a node; directories under a setgid directory inherit the bit.
     fn make(
         &self,
         req: &Request,
@@ -200,15 +200,11 @@ impl FuseFs {
         if sgid && mode & libc::S_IFMT == libc::S_IFDIR {
             mode |= libc::S_ISGID;
         }
-        let a = if mode & libc::S_IFMT == libc::S_IFDIR {
-            self.fs.mkdir(parent, name.as_bytes(), mode, c)?
+        if mode & libc::S_IFMT == libc::S_IFDIR {
+            self.fs.mkdir(parent, name.as_bytes(), mode, c)
         } else {
-            self.fs.mknod(parent, name.as_bytes(), mode, rdev, c)?
-        };
-        // The entry is handed to the kernel: pin it like a lookup.
-        self.fs
-            .lookup(parent, name.as_bytes())
-            .or(Ok::<Attr, Error>(a))
+            self.fs.mknod(parent, name.as_bytes(), mode, rdev, c)
+        }
     }
 }
 
@@ -344,8 +340,7 @@ impl Filesystem for FuseFs {
         let (c, _) = self.creds(req, p);
         let r = self
             .fs
-            .symlink(p, link_name.as_bytes(), target.as_os_str().as_bytes(), c)
-            .and_then(|_| self.fs.lookup(p, link_name.as_bytes()));
+            .symlink(p, link_name.as_bytes(), target.as_os_str().as_bytes(), c);
         self.entry(r, reply)
     }
 
@@ -387,10 +382,7 @@ impl Filesystem for FuseFs {
         reply: ReplyEntry,
     ) {
         let p = to_ino(newparent);
-        let r = self
-            .fs
-            .link(to_ino(ino), p, newname.as_bytes())
-            .and_then(|_| self.fs.lookup(p, newname.as_bytes()));
+        let r = self.fs.link(to_ino(ino), p, newname.as_bytes());
         self.entry(r, reply)
     }
 
@@ -520,17 +512,13 @@ impl Filesystem for FuseFs {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        let dir = to_ino(ino);
-        match self.fs.readdir(dir, offset, 256) {
+        match self.fs.readdir(to_ino(ino), offset, 256) {
             Ok(list) => {
                 for e in list {
-                    let dots = e.name == b"." || e.name == b"..";
-                    let a = if dots {
-                        self.fs.getattr(e.ino)
-                    } else {
-                        self.fs.lookup(dir, &e.name)
+                    // An entry removed since readdir looked is skipped, not an error.
+                    let Ok(a) = self.fs.getattr(e.ino) else {
+                        continue;
                     };
-                    let Ok(a) = a else { continue };
                     let full = reply.add(
                         to_fuse(e.ino),
                         e.next_offset,
@@ -540,9 +528,6 @@ impl Filesystem for FuseFs {
                         Generation(a.generation),
                     );
                     if full {
-                        if !dots {
-                            self.fs.forget(e.ino, 1);
-                        }
                         break;
                     }
                 }
