@@ -154,11 +154,11 @@ impl FuseFs {
         (c, sgid)
     }
 
-    /// fsync and fdatasync: answered at once when nothing is new, else by the syncer.
-    /// (fdatasync needs the same records: data extents and the size are what it keeps.)
-    fn queue_fsync(&self, ino: u64, reply: ReplyEmpty) {
+    /// fsync and fdatasync: answered at once when nothing they need is new, else by the
+    /// syncer.
+    fn queue_fsync(&self, ino: u64, datasync: bool, reply: ReplyEmpty) {
         let t0 = std::time::Instant::now();
-        match self.fs.fsync_target(ino) {
+        match self.fs.fsync_target(ino, datasync) {
             None => {
                 self.fs.record_fsync_latency(t0.elapsed());
                 reply.ok()
@@ -464,10 +464,10 @@ impl Filesystem for FuseFs {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        _datasync: bool,
+        datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.queue_fsync(to_ino(ino), reply)
+        self.queue_fsync(to_ino(ino), datasync, reply)
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -542,10 +542,10 @@ impl Filesystem for FuseFs {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        _datasync: bool,
+        datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.queue_fsync(to_ino(ino), reply)
+        self.queue_fsync(to_ino(ino), datasync, reply)
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

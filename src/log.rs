@@ -171,6 +171,9 @@ pub(crate) struct LogBuffer {
     committing_lsn: u64,
     /// Inode -> LSN just past its last record.
     last: HashMap<u64, u64>,
+    /// Inode -> LSN just past the last change a read of its data depends on (creation,
+    /// data, size): what fdatasync must make durable.
+    last_data: HashMap<u64, u64>,
     /// Inodes with records in the pending buffer.
     pending_inos: HashSet<u64>,
     /// Inodes with records in a batch already written in this generation: their next
@@ -217,11 +220,24 @@ impl LogBuffer {
         }
     }
 
-    /// What an fsync of `ino` must make durable: `None` when it already is.
-    pub(crate) fn target(&self, ino: u64) -> Option<u64> {
-        match self.last.get(&ino) {
+    /// What an fsync (or, with `datasync`, an fdatasync) of `ino` must make durable:
+    /// `None` when it already is.
+    pub(crate) fn target(&self, ino: u64, datasync: bool) -> Option<u64> {
+        let map = if datasync {
+            &self.last_data
+        } else {
+            &self.last
+        };
+        match map.get(&ino) {
             Some(&l) if l > self.durable_lsn => Some(l),
             _ => None,
+        }
+    }
+
+    /// The records so far of `ino` include a change its data depends on.
+    pub(crate) fn mark_data(&mut self, ino: u64) {
+        if self.enabled {
+            self.last_data.insert(ino, self.next_lsn);
         }
     }
 
@@ -294,6 +310,7 @@ impl LogBuffer {
         self.durable_lsn = self.durable_lsn.max(self.committing_lsn);
         let d = self.durable_lsn;
         self.last.retain(|_, l| *l > d);
+        self.last_data.retain(|_, l| *l > d);
     }
 
     /// A batch is durable.
@@ -399,11 +416,11 @@ mod tests {
         let mut l = LogBuffer::new(1 << 20);
         l.enabled = true;
         sample(&mut l);
-        assert_eq!(l.target(300), Some(1));
-        assert_eq!(l.target(301), None);
+        assert_eq!(l.target(300, false), Some(1));
+        assert_eq!(l.target(301, false), None);
         let b1 = l.take_batch(&fsid, 7).unwrap();
         l.batch_done(b1.end_lsn);
-        assert_eq!(l.target(300), None, "logged inode: nothing new");
+        assert_eq!(l.target(300, false), None, "logged inode: nothing new");
         assert!(l.logged_before(300) && !l.logged_before(301));
         l.record(LogOp::Insert {
             tree: tree::FS,
@@ -454,8 +471,11 @@ mod tests {
         assert!(l.take_batch(&[0; 16], 1).is_none());
         l.commit_started();
         assert!(!l.overflow);
-        assert!(l.target(300).is_some(), "not durable until the commit is");
+        assert!(
+            l.target(300, false).is_some(),
+            "not durable until the commit is"
+        );
         l.commit_done();
-        assert_eq!(l.target(300), None);
+        assert_eq!(l.target(300, false), None);
     }
 }

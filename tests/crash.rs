@@ -33,6 +33,7 @@ enum Op {
     RemoveXattr(String, &'static str),
     Chmod(String, u32),
     Fsync(String),
+    Fdatasync(String),
     Sync,
 }
 
@@ -98,7 +99,9 @@ impl Model {
             Op::Unlink(p) => self.is_file(p),
             Op::Rmdir(p) => p != "/" && self.is_dir(p) && self.children(p).is_empty(),
             Op::Rename(a, b) => self.is_file(a) && (free(b) || self.is_file(b)) && a != b,
-            Op::SetXattr(p, ..) | Op::Chmod(p, _) | Op::Fsync(p) => self.names.contains_key(p),
+            Op::SetXattr(p, ..) | Op::Chmod(p, _) | Op::Fsync(p) | Op::Fdatasync(p) => {
+                self.names.contains_key(p)
+            }
             Op::RemoveXattr(p, n) => self
                 .names
                 .get(p)
@@ -176,7 +179,7 @@ impl Model {
                     .remove(*n);
             }
             Op::Chmod(p, m) => self.nodes.get_mut(&self.names[p]).unwrap().mode = *m,
-            Op::Fsync(_) | Op::Sync => {}
+            Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync => {}
         }
         let live: std::collections::BTreeSet<u64> = self.names.values().copied().collect();
         self.nodes.retain(|id, _| live.contains(id));
@@ -185,8 +188,14 @@ impl Model {
 
 #[derive(Debug)]
 enum Promise {
-    File { id: u64, path: String },
-    Dir { path: String },
+    File {
+        id: u64,
+        path: String,
+        data_only: bool,
+    },
+    Dir {
+        path: String,
+    },
 }
 
 struct Run {
@@ -285,6 +294,7 @@ fn exec(fs: &Fs, op: &Op) {
             .unwrap();
         }
         Op::Fsync(p) => fs.fsync(ino(p), false).unwrap(),
+        Op::Fdatasync(p) => fs.fsync(ino(p), true).unwrap(),
         Op::Sync => fs.commit().unwrap(),
     }
 }
@@ -321,14 +331,16 @@ fn record(base: &[u8], ops: Vec<Op>) -> (Arc<CrashDev>, Run) {
     for (i, op) in ops.iter().enumerate() {
         exec(&fs, op);
         m.apply(op);
-        if let Op::Fsync(p) = op {
+        if let Op::Fsync(p) | Op::Fdatasync(p) = op {
             let id = m.names[p];
+            let data_only = matches!(op, Op::Fdatasync(_));
             let pr = if m.nodes[&id].dir {
                 Promise::Dir { path: p.clone() }
             } else {
                 Promise::File {
                     id,
                     path: p.clone(),
+                    data_only,
                 }
             };
             run.promises.push((dev.op_count(), i, pr));
@@ -385,8 +397,38 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
         }
         let later = &run.history[*i..];
         match pr {
-            Promise::File { id, path } => {
+            Promise::File {
+                id,
+                path,
+                data_only,
+            } => {
                 let stable = later.iter().all(|m| m.names.get(path) == Some(id));
+                if *data_only && stable && fs.resolve(path).is_err() {
+                    // fdatasync keeps data, not names: a name the inode had before (a
+                    // rename is not data) must reach it, with the data intact.
+                    let names: std::collections::BTreeSet<&String> = run
+                        .history
+                        .iter()
+                        .flat_map(|m| m.names.iter().filter(|(_, v)| *v == id).map(|(k, _)| k))
+                        .collect();
+                    let found = names.iter().any(|n| {
+                        fs.resolve(n).is_ok_and(|a| {
+                            let d = fs
+                                .read(a.ino, 0, (a.size as u32).max(1))
+                                .unwrap_or_default();
+                            later
+                                .iter()
+                                .filter_map(|m| m.nodes.get(id))
+                                .any(|v| v.data == d)
+                        })
+                    });
+                    assert!(
+                        found,
+                        "{what}: fdatasynced data of {path} (op {i}) is unreachable\nops: {:?}",
+                        run.ops
+                    );
+                    continue;
+                }
                 let Ok(a) = fs.resolve(path) else {
                     assert!(
                         !stable,
@@ -409,7 +451,11 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                 let ok = later
                     .iter()
                     .filter_map(|m| m.nodes.get(id))
-                    .any(|n| n.data == data && n.mode == a.perm as u32 && n.xattrs == xs);
+                    // fdatasync keeps the data and size; fsync all attributes too.
+                    .any(|n| {
+                        n.data == data
+                            && (*data_only || (n.mode == a.perm as u32 && n.xattrs == xs))
+                    });
                 assert!(
                     ok,
                     "{what}: {path} (fsynced at op {i}) has {} bytes, mode {:o}, xattrs {:?}: no version since the fsync matches\nops: {:?}",
@@ -692,6 +738,21 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "fdatasync after write, truncate and fallocate",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 20000, 17),
+                Fdatasync(s("/f")),
+                Chmod(s("/f"), 0o600),
+                Truncate(s("/f"), 7000),
+                Fdatasync(s("/f")),
+                Falloc(s("/f"), 0, 50000, false),
+                Fdatasync(s("/f")),
+                Punch(s("/f"), 0, 4096),
+                Fdatasync(s("/f")),
+            ],
+        ),
+        (
             "large overwrite",
             vec![
                 Create(s("/f")),
@@ -788,7 +849,12 @@ fn generated_sequences_survive_every_power_cut() {
                 } else {
                     target
                 };
-                ops.push(Op::Fsync(fs_target));
+                let datasync = rng.gen_bool(0.33) && m.is_file(&fs_target);
+                ops.push(if datasync {
+                    Op::Fdatasync(fs_target)
+                } else {
+                    Op::Fsync(fs_target)
+                });
                 added += 1;
             }
         }

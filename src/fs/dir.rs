@@ -128,7 +128,10 @@ impl Inner {
             encode_dir_entries(&[entry]),
         )?;
         self.store.insert(tree::FS, rk, renc)?;
-        self.put_inode(dir, &mut d)
+        self.put_inode(dir, &mut d)?;
+        // A directory's entries are its data: fdatasync of it needs them.
+        self.store.log.mark_data(dir);
+        Ok(())
     }
 
     fn remove_entry(&mut self, dir: u64, name: &[u8]) -> Result<DirEntry> {
@@ -164,6 +167,7 @@ impl Inner {
             d.mtime = now;
             d.ctime = now;
         })?;
+        self.store.log.mark_data(dir);
         Ok(e)
     }
 
@@ -223,6 +227,8 @@ impl Inner {
         if kind == FileKind::Dir {
             self.update_inode(parent, |p| p.nlink = (p.nlink.get() + 1).into())?;
         }
+        // A new inode and its name are what any read of it needs first.
+        self.store.log.mark_data(ino);
         self.attr_of(ino, &item)
     }
 

@@ -347,7 +347,9 @@ impl Inner {
         }
         i.mtime = now;
         i.ctime = now;
-        self.put_inode(ino, &mut i)
+        self.put_inode(ino, &mut i)?;
+        self.store.log.mark_data(ino);
+        Ok(())
     }
 
     /// Sets the size: frees blocks past a shorter size and zeroes the rest of the last
@@ -369,6 +371,7 @@ impl Inner {
         }
         i.size = size.into();
         i.ctime = Timespec::now();
+        self.store.log.mark_data(ino);
         Ok(())
     }
 
@@ -463,7 +466,9 @@ impl Inner {
         }
         i.mtime = now;
         i.ctime = now;
-        self.put_inode(ino, &mut i)
+        self.put_inode(ino, &mut i)?;
+        self.store.log.mark_data(ino);
+        Ok(())
     }
 }
 

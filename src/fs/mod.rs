@@ -276,9 +276,9 @@ impl Fs {
     /// the pending log records (every operation's, in order) as one batch and flushes.
     /// fsyncs that arrive while a batch is written wait for the lock and usually find
     /// their records already durable (group commit).
-    pub fn fsync(&self, ino: u64, _datasync: bool) -> Result<()> {
+    pub fn fsync(&self, ino: u64, datasync: bool) -> Result<()> {
         let t0 = std::time::Instant::now();
-        let r = match self.fsync_target(ino) {
+        let r = match self.fsync_target(ino, datasync) {
             None => Ok(()),
             Some(t) => self.sync_to(t),
         };
@@ -289,8 +289,10 @@ impl Fs {
 
     /// The first half of an fsync of `ino`: `None` when everything about it is already
     /// durable (the fsync is done), else the log position [`Fs::sync_to`] must reach.
-    /// Lets a server queue fsyncs and answer them from one writer (group commit).
-    pub fn fsync_target(&self, ino: u64) -> Option<u64> {
+    /// With `datasync` (fdatasync), changes a read of the data does not depend on
+    /// (times, mode, owner, xattrs, names) do not count. Lets a server queue fsyncs and
+    /// answer them from one writer (group commit).
+    pub fn fsync_target(&self, ino: u64, datasync: bool) -> Option<u64> {
         Stats::add(&self.stats.fsyncs, 1);
         if self.opts.readonly {
             Stats::add(&self.stats.fsyncs_noop, 1);
@@ -300,7 +302,7 @@ impl Fs {
         let t = if g.store.log.overflow {
             Some(u64::MAX)
         } else {
-            g.store.log.target(ino)
+            g.store.log.target(ino, datasync)
         };
         match t {
             None => Stats::add(&self.stats.fsyncs_noop, 1),

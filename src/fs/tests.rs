@@ -433,3 +433,56 @@ fn a_half_full_log_is_committed_before_an_fsync_must_fall_back() {
     assert_eq!(s.fallbacks, 0, "no fsync had to fall back to a commit");
     assert!(s.log_commits >= 390);
 }
+
+#[test]
+fn fdatasync_skips_what_reading_the_data_does_not_need() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, b"data").unwrap();
+    fs.fsync(f.ino, true).unwrap();
+    let s0 = fs.stats();
+    fs.setattr(
+        f.ino,
+        &SetAttr {
+            mode: Some(0o600),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.setxattr(f.ino, b"user.k", b"v", false, false).unwrap();
+    fs.fsync(f.ino, true).unwrap();
+    let s1 = fs.stats();
+    assert_eq!(
+        s1.log_commits, s0.log_commits,
+        "mode and xattr: nothing for fdatasync"
+    );
+    assert_eq!(s1.fsyncs_noop, s0.fsyncs_noop + 1);
+    fs.fsync(f.ino, false).unwrap();
+    assert_eq!(
+        fs.stats().log_commits,
+        s1.log_commits + 1,
+        "fsync still logs them"
+    );
+    fs.setattr(
+        f.ino,
+        &SetAttr {
+            size: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.fsync(f.ino, true).unwrap();
+    let s2 = fs.stats();
+    assert_eq!(s2.log_commits, s1.log_commits + 2, "a size change is data");
+    fs.unlink(ROOT_INO, b"f").unwrap();
+    fs.fsync(ROOT_INO, true).unwrap();
+    assert_eq!(
+        fs.stats().log_commits,
+        s2.log_commits + 1,
+        "a directory's entries are its data"
+    );
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs);
+    let fs = Fs::open(crashed, Options::default()).unwrap();
+    assert!(matches!(fs.lookup(ROOT_INO, b"f"), Err(Error::NotFound)));
+}
