@@ -152,6 +152,10 @@ class RunError(Exception):
     pass
 
 
+class Skipped(Exception):
+    """A run that cannot be done on this machine (the reason goes into the report)."""
+
+
 def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -188,9 +192,10 @@ def run(cmd, check=True, capture=True, timeout=None, env=None):
     finally:
         CHILDREN.discard(p)
     if check and p.returncode != 0:
-        raise RunError(
-            f"exit {p.returncode}: {' '.join(map(str, cmd))}\n{(err or '').strip()[-2000:]}"
-        )
+        e = (err or "").strip()
+        if len(e) > 2000:
+            e = e[:1000] + "\n...\n" + e[-1000:]
+        raise RunError(f"exit {p.returncode}: {' '.join(map(str, cmd))}\n{e}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
@@ -384,10 +389,12 @@ class Target:
             run(["mount", self.dev, self.lower_mp])
             self.log.parent.mkdir(parents=True, exist_ok=True)
             logf = open(self.log, "w")
+            # passthrough_ll holds an O_PATH fd for every inode it has looked up, so
+            # 65,536 files need more than the usual 1,024..20,000 open files.
             self.proc = subprocess.Popen(
                 [str(self.work / "bin" / "passthrough_ll"), "-f",
                  "-o", f"source={self.lower_mp},writeback", str(self.mp)],
-                stdout=logf, stderr=logf)
+                stdout=logf, stderr=logf, preexec_fn=raise_nofile)
             logf.close()
             if not wait_for(lambda: is_mounted(self.mp), 10):
                 raise RunError(f"passthrough_ll did not mount (see {self.log})")
@@ -450,6 +457,15 @@ class Target:
             self.dev = None
         if self.img.exists():
             self.img.unlink()
+
+
+def raise_nofile():
+    import resource
+    try:
+        n = min(1 << 20, int(Path("/proc/sys/fs/nr_open").read_text()))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    except (OSError, ValueError):
+        pass
 
 
 def parse_size(s):
@@ -648,12 +664,26 @@ def device_metrics(tgt, before, after, user_bytes, m):
     return extra
 
 
+def nofile_limit(pid):
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    return None
+
+
 def run_fsmark(v, tgt, mp, work):
     d = Path(mp) / "fsmark"
+    if tgt.name == "fuse-floor" and tgt.proc:
+        lim = nofile_limit(tgt.proc.pid)
+        if lim is not None and v["files"] + 1000 > lim:
+            raise Skipped(f"passthrough_ll keeps an open O_PATH fd per inode and may open only {lim} files "
+                          f"(RLIMIT_NOFILE; raising it needs CAP_SYS_RESOURCE, which this machine lacks); "
+                          f"the run creates {v['files']:,}")
     drop_caches()
     before = tgt.counters()
     load0 = os.getloadavg()[0]
-    r = run([FSMARK, "-d", d] + v["args"], timeout=v["timeout"])
+    r = run([FSMARK, "-d", d] + v["args"], timeout=v["timeout"],
+            env=dict(os.environ, RUST_BACKTRACE="0"))
     run(["sync", "-f", str(mp)], check=False, timeout=120)
     after = tgt.counters()
     fm = json.loads(r.stdout)
@@ -760,6 +790,9 @@ def summarize(runs):
             if x is not None:
                 cell.setdefault(k, []).append(x)
     out = {}
+    for r in runs:
+        if r.get("skipped"):
+            out.setdefault(r["variant"], {}).setdefault(r["target"], {})["skipped"] = r["skipped"]
     for vid, tg in s.items():
         for t, ms in tg.items():
             for k, xs in ms.items():
@@ -788,7 +821,7 @@ def fmt(x):
 def cell(summ, vid, t, k):
     c = summ.get(vid, {}).get(t, {}).get(k)
     if not c:
-        return "–"
+        return "skipped" if "skipped" in summ.get(vid, {}).get(t, {}) else "–"
     if c["n"] == 1:
         return fmt(c["median"])
     return f"{fmt(c['median'])} ({fmt(c['min'])}–{fmt(c['max'])})"
@@ -838,6 +871,11 @@ def write_report(res, outdir):
     if res.get("restricted"):
         L.append("")
         L.append(f"**Restricted run:** {res['restricted']}")
+    for rr in res.get("reruns", []):
+        L.append("")
+        L.append(f"**Re-run:** {', '.join(rr['variants'])} were run again on {rr['date']} "
+                 f"({rr['wall_s'] / 60:.1f} min, all targets interleaved, same repetitions) and replace the "
+                 f"first run's results for those rows: {rr['reason']}")
     L.append("")
     L.append("## Machine")
     L.append("")
@@ -850,6 +888,12 @@ def write_report(res, outdir):
     L.append(f"- {vv['fio']}, {vv['btrfs-progs']}, {vv['e2fsprogs']}, {vv['xfsprogs']}, libfuse {vv['libfuse']}, "
              f"{vv['birchfs']} at git {vv['git']}"
              + (f" ({vv['git_dirty_files']} files under src/ modified in the work tree)" if vv.get('git_dirty_files', '0') not in ('', '0') else ""))
+    loads = [r["metrics"].get("loadavg_1m_before") for r in runs if r.get("ok")]
+    loads = [x for x in loads if x is not None]
+    if loads:
+        L.append(f"- 1-minute load average at the start of the measured runs: median {statistics.median(loads):.1f}, "
+                 f"max {max(loads):.1f} (the harness itself keeps about 1 busy; more means other work shared the "
+                 f"{m['cores']} cores)")
     L.append("")
     L.append("## Method")
     L.append("")
@@ -967,15 +1011,22 @@ def write_report(res, outdir):
                 row.append(f"{statistics.median(xs):.2f}" if xs else "–")
             L.append("| " + " | ".join(row) + " |")
         L.append("")
-    bad = [r for r in runs if not r.get("ok")]
+    bad = [r for r in runs if not r.get("ok") and not r.get("skipped")]
+    skipped = [r for r in runs if r.get("skipped")]
     capped = [r for r in runs if r.get("ok") and r["metrics"].get("capped")]
     L.append("## Failures and capped runs")
     L.append("")
-    if not bad and not capped:
+    if not bad and not capped and not skipped:
         L.append("None.")
+    reasons = {}
+    for r in skipped:
+        reasons.setdefault(r["skipped"], []).append(f"{r['variant']} on {r['target']} rep {r['rep']}")
+    for why, which in reasons.items():
+        L.append(f"- skipped {', '.join(which)}: {why}")
     for r in bad:
         err = (r.get("error") or "interrupted").strip().splitlines() or ["?"]
-        L.append(f"- FAILED {r['variant']} on {r['target']} rep {r['rep']}: `{err[0][:300]}`")
+        msg = " / ".join(x.strip() for x in err[:2])
+        L.append(f"- FAILED {r['variant']} on {r['target']} rep {r['rep']}: `{msg[:400]}`")
     for r in capped:
         L.append(f"- capped {r['variant']} on {r['target']} rep {r['rep']} (stopped at the time cap before finishing)")
     L.append("")
@@ -1211,6 +1262,9 @@ def main():
     ap.add_argument("--targets", help="comma-separated subset, for debugging only")
     ap.add_argument("--workloads", help="comma-separated subset (W1,W2,W3,W4 or variant ids), for debugging only")
     ap.add_argument("--report-only", action="store_true", help="rebuild REPORT.md and PNGs from results.json")
+    ap.add_argument("--merge", metavar="REASON",
+                    help="with --workloads: re-run those workloads (all targets, interleaved, all reps) and "
+                         "replace their runs in the existing results.json; REASON goes into the report")
     a = ap.parse_args()
 
     prof = dict(PROFILES[a.profile])
@@ -1220,6 +1274,8 @@ def main():
         prof["reps"] = a.reps
     outdir = (REPO / (a.out or prof["out"])).resolve()
     outdir.mkdir(parents=True, exist_ok=True)
+    if a.merge and not a.workloads:
+        sys.exit("bench: --merge needs --workloads")
     if a.report_only:
         res = json.loads((outdir / "results.json").read_text())
         res["summary"] = summarize(res["runs"])
@@ -1249,7 +1305,7 @@ def main():
         targets = [t for t in TARGETS if t in a.targets.split(",")]
         restricted.append(f"targets {','.join(targets)}")
     only = a.workloads.split(",") if a.workloads else None
-    if only:
+    if only and not a.merge:
         restricted.append(f"workloads {a.workloads}")
     vs = variants(prof, only)
 
@@ -1292,6 +1348,8 @@ def main():
                     except RunError as e:
                         rec.update(ok=False, error=str(e), metrics={})
                         log(f"run failed: {e}")
+                    except Skipped as e:
+                        rec.update(ok=False, skipped=str(e), metrics={})
                     finally:
                         try:
                             tgt.teardown()
@@ -1307,7 +1365,7 @@ def main():
                     log(f"[{i}/{total}] {v['id']:<11} rep {rep} {tname:<13} "
                         + (f"{fmt(main)} {unit}, fsync p50 {fmt(mm.get('fsync_p50_us'))} p99 {fmt(lat)} µs"
                            + (f", WA {mm['wa']:.2f}" if mm.get("wa") else "")
-                           if rec["ok"] else "FAILED")
+                           if rec["ok"] else ("skipped" if rec.get("skipped") else "FAILED"))
                         + f" ({rec['wall_s']:.1f} s)")
         res["complete"] = True
     except Interrupted as e:
@@ -1326,14 +1384,23 @@ def main():
             log(f"warning: still present after cleanup: {left}")
             rc = rc or 1
     res["wall_s"] = time.monotonic() - t_start
-    if res["runs"]:
+    if a.merge and res["runs"]:
+        old = json.loads((outdir / "results.json").read_text())
+        ids = {v["id"] for v in vs}
+        old["runs"] = [r for r in old["runs"] if r["variant"] not in ids] + res["runs"]
+        old.setdefault("reruns", []).append({
+            "variants": sorted(ids), "date": res["machine"]["date"], "reason": a.merge,
+            "wall_s": res["wall_s"], "complete": res["complete"], "machine": res["machine"]})
+        old["complete"] = old.get("complete") and res["complete"]
+        old["wall_s"] = old.get("wall_s", 0) + res["wall_s"]
+        res = old
         res["summary"] = summarize(res["runs"])
         res.setdefault("machine", machine_facts(work))
         (outdir / "results.json").write_text(json.dumps(res, indent=1))
         write_report(res, outdir)
         charts(res, outdir)
         log(f"wrote {outdir}/REPORT.md, results.json and charts in {res['wall_s'] / 60:.1f} min")
-    failed = sum(1 for r in res["runs"] if not r.get("ok"))
+    failed = sum(1 for r in res["runs"] if not r.get("ok") and not r.get("skipped"))
     if failed:
         log(f"{failed} run(s) failed; see REPORT.md")
         rc = rc or 1
