@@ -1424,8 +1424,15 @@ def main():
         old.setdefault("reruns", []).append({
             "variants": sorted(ids), "date": res["machine"]["date"], "reason": a.merge,
             "wall_s": res["wall_s"], "complete": res["complete"], "machine": res["machine"]})
-        old["complete"] = old.get("complete") and res["complete"]
-        old["wall_s"] = old.get("wall_s", 0) + res["wall_s"]
+        # Complete when every variant x repetition x target has a finished (or skipped) run.
+        have = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if r.get("ok") or r.get("skipped")}
+        want = {(v["id"], rep, t) for v in old["variants"] for rep in range(1, old["profile"]["reps"] + 1)
+                for t in old["targets"]}
+        failed_ok = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if "error" in r}
+        old["complete"] = res["complete"] and want <= (have | failed_ok)
+        # An interrupted base run has no wall time of its own: use the sum of its runs.
+        base_wall = old.get("wall_s") or sum(r.get("wall_s", 0) for r in old["runs"] if r["variant"] not in ids)
+        old["wall_s"] = base_wall + res["wall_s"]
         res = old
     if res["runs"]:
         res["summary"] = summarize(res["runs"])
