@@ -892,6 +892,9 @@ def write_report(res, outdir):
     if res.get("restricted"):
         L.append("")
         L.append(f"**Restricted run:** {res['restricted']}")
+    for note in res.get("notes", []):
+        L.append("")
+        L.append(f"**Note:** {note}")
     for rr in res.get("reruns", []):
         L.append("")
         L.append(f"**Re-run:** {', '.join(rr['variants'])} were run again on {rr['date']} "
@@ -1293,6 +1296,8 @@ def main():
     ap.add_argument("--targets", help="comma-separated subset, for debugging only")
     ap.add_argument("--workloads", help="comma-separated subset (W1,W2,W3,W4 or variant ids), for debugging only")
     ap.add_argument("--report-only", action="store_true", help="rebuild REPORT.md and PNGs from results.json")
+    ap.add_argument("--note", action="append", default=[],
+                    help="with --report-only: add a caveat about the run to results.json and the report")
     ap.add_argument("--merge", metavar="REASON",
                     help="with --workloads: re-run those workloads (all targets, interleaved, all reps) and "
                          "replace their runs in the existing results.json; REASON goes into the report")
@@ -1309,6 +1314,10 @@ def main():
         sys.exit("bench: --merge needs --workloads")
     if a.report_only:
         res = json.loads((outdir / "results.json").read_text())
+        if a.note:
+            res.setdefault("notes", []).extend(a.note)
+            res["summary"] = summarize(res["runs"])
+            (outdir / "results.json").write_text(json.dumps(res, indent=1))
         res["summary"] = summarize(res["runs"])
         write_report(res, outdir)
         charts(res, outdir)
