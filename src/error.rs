@@ -64,6 +64,9 @@ pub enum Error {
     /// The image is not birchfs, or of a format this build refuses.
     #[error("{0}")]
     BadImage(String),
+    /// A mount option out of range.
+    #[error("bad option: {0}")]
+    BadOption(String),
     /// The device returned an I/O error.
     #[error("I/O error: {0}")]
     Io(#[from] io::Error),
@@ -80,7 +83,7 @@ impl Error {
             Error::NotEmpty => libc::ENOTEMPTY,
             Error::NameTooLong => libc::ENAMETOOLONG,
             Error::NoSpace => libc::ENOSPC,
-            Error::Invalid(_) => libc::EINVAL,
+            Error::Invalid(_) | Error::BadOption(_) => libc::EINVAL,
             Error::Perm => libc::EPERM,
             Error::Access => libc::EACCES,
             Error::NoData => libc::ENODATA,

@@ -159,11 +159,15 @@ impl FuseFs {
     fn queue_fsync(&self, ino: u64, datasync: bool, reply: ReplyEmpty) {
         let t0 = std::time::Instant::now();
         match self.fs.fsync_target(ino, datasync) {
-            None => {
+            Err(e) => {
+                self.fs.record_fsync_latency(t0.elapsed());
+                reply.error(errno(&e))
+            }
+            Ok(None) => {
                 self.fs.record_fsync_latency(t0.elapsed());
                 reply.ok()
             }
-            Some(t) => {
+            Ok(Some(t)) => {
                 if let Err(std::sync::mpsc::SendError((t, reply, t0))) =
                     self.syncer.send((t, reply, t0))
                 {

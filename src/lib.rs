@@ -13,6 +13,7 @@
 
 mod alloc;
 mod btree;
+mod cache;
 pub mod check;
 pub mod dev;
 pub mod dump;
@@ -25,6 +26,7 @@ mod refs;
 mod stats;
 mod txn;
 
+pub use cache::{default_cache_size, CacheOptions};
 pub use error::{Error, Result};
 pub use fs::{
     Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions, Options,

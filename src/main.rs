@@ -159,11 +159,31 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
                     .map_err(|_| anyhow!("bad value in mount option '{opt}'"))?;
                 o.fs.commit_interval = Duration::from_secs(secs);
             }
+            Some(("cache_size", v)) => {
+                o.fs.cache.cache_size =
+                    parse_size(v).with_context(|| format!("in mount option '{opt}'"))?
+            }
+            Some(("folio_size", v)) => {
+                o.fs.cache.folio_size =
+                    parse_size(v).with_context(|| format!("in mount option '{opt}'"))?
+            }
+            Some(("dirty_expire", v)) => {
+                let secs: u64 = v
+                    .parse()
+                    .map_err(|_| anyhow!("bad value in mount option '{opt}'"))?;
+                o.fs.cache.dirty_expire = Duration::from_secs(secs);
+            }
+            Some(("block_dirty", "on")) => o.fs.cache.block_dirty = true,
+            Some(("block_dirty", "off")) => o.fs.cache.block_dirty = false,
             None if opt == "ro" => o.fs.readonly = true,
             None if opt == "rw" => o.fs.readonly = false,
-            _ => bail!("unknown mount option '{opt}' (known: commit=SECONDS, ro, rw)"),
+            _ => bail!(
+                "unknown mount option '{opt}' (known: commit=SECONDS, cache_size=SIZE, \
+                 folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, ro, rw)"
+            ),
         }
     }
+    o.fs.cache.validate().map_err(|e| anyhow!("{e}"))?;
     Ok(o)
 }
 
@@ -301,6 +321,18 @@ fn mount_serve(
                 let Some(fs) = weak.upgrade() else { break };
                 if let Err(e) = fs.commit() {
                     tracing::error!("periodic commit failed: {e}");
+                }
+            })?;
+    }
+    if !mo.fs.readonly {
+        let weak = Arc::downgrade(&fs);
+        std::thread::Builder::new()
+            .name("flusher".into())
+            .spawn(move || loop {
+                let Some(fs) = weak.upgrade() else { break };
+                if let Err(e) = fs.flush_background(Duration::from_secs(1)) {
+                    tracing::error!("background writeback failed: {e}");
+                    std::thread::sleep(Duration::from_secs(1));
                 }
             })?;
     }

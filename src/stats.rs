@@ -18,6 +18,12 @@ pub struct Stats {
     pub user_bytes: AtomicU64,
     /// Bytes of data blocks written to the device.
     pub dev_data_bytes: AtomicU64,
+    /// Bytes of file data read by users.
+    pub user_read_bytes: AtomicU64,
+    /// Bytes of data blocks read from the device (cache misses and readahead).
+    pub dev_read_bytes: AtomicU64,
+    /// Runs of contiguous dirty blocks written back (each allocated in one piece).
+    pub writeback_runs: AtomicU64,
     /// Bytes of tree nodes written to the device.
     pub dev_meta_bytes: AtomicU64,
     /// Bytes of superblocks written to the device.
@@ -51,6 +57,9 @@ impl Stats {
             commits: g(&self.commits),
             user_bytes: g(&self.user_bytes),
             dev_data_bytes: g(&self.dev_data_bytes),
+            user_read_bytes: g(&self.user_read_bytes),
+            dev_read_bytes: g(&self.dev_read_bytes),
+            writeback_runs: g(&self.writeback_runs),
             dev_meta_bytes: g(&self.dev_meta_bytes),
             dev_super_bytes: g(&self.dev_super_bytes),
             dev_log_bytes: g(&self.dev_log_bytes),
@@ -78,6 +87,12 @@ pub struct StatsSnapshot {
     pub user_bytes: u64,
     /// See [`Stats::dev_data_bytes`].
     pub dev_data_bytes: u64,
+    /// See [`Stats::user_read_bytes`].
+    pub user_read_bytes: u64,
+    /// See [`Stats::dev_read_bytes`].
+    pub dev_read_bytes: u64,
+    /// See [`Stats::writeback_runs`].
+    pub writeback_runs: u64,
     /// See [`Stats::dev_meta_bytes`].
     pub dev_meta_bytes: u64,
     /// See [`Stats::dev_super_bytes`].
@@ -204,7 +219,8 @@ impl StatsSnapshot {
             concat!(
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
-                "\"superblock\":{},\"device_total\":{}}},\"flushes\":{},",
+                "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{}}},",
+                "\"writeback_runs\":{},\"flushes\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
             ),
             self.fsyncs,
@@ -219,6 +235,9 @@ impl StatsSnapshot {
             self.dev_log_bytes,
             self.dev_super_bytes,
             self.device_total(),
+            self.user_read_bytes,
+            self.dev_read_bytes,
+            self.writeback_runs,
             self.flushes,
             self.fsync_latency.json(),
             self.commit_latency.json()
@@ -261,6 +280,13 @@ impl StatsSnapshot {
             self.dev_super_bytes.to_string(),
         );
         row(&mut s, "device flushes", self.flushes.to_string());
+        row(
+            &mut s,
+            "bytes read by users",
+            self.user_read_bytes.to_string(),
+        );
+        row(&mut s, "device bytes read", self.dev_read_bytes.to_string());
+        row(&mut s, "writeback runs", self.writeback_runs.to_string());
         for (name, l) in [
             ("fsync", &self.fsync_latency),
             ("commit", &self.commit_latency),

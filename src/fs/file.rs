@@ -79,24 +79,13 @@ impl Inner {
             .collect())
     }
 
-    fn check_file(&mut self, ino: u64) -> Result<InodeItem> {
+    pub(crate) fn check_file(&mut self, ino: u64) -> Result<InodeItem> {
         let i = self.get_inode(ino)?;
         match i.mode.get() & libc::S_IFMT {
             libc::S_IFREG => Ok(i),
             libc::S_IFDIR => Err(Error::IsDir),
             _ => Err(Error::Invalid("not a regular file")),
         }
-    }
-
-    /// Plans a read of `[off, off+len)` of the file (clamped to its size).
-    pub(crate) fn read_plan(&mut self, ino: u64, off: u64, len: u64) -> Result<ReadPlan> {
-        let i = self.check_file(ino)?;
-        let size = i.size.get();
-        if off >= size {
-            return Ok(ReadPlan::default());
-        }
-        let end = (off + len).min(size);
-        self.plan_range(ino, off, end)
     }
 
     /// Reads `[off, end)` regardless of the size, under the fs lock.
@@ -107,7 +96,7 @@ impl Inner {
 
     /// Which disk blocks hold `[off, end)`, with their checksums; holes and
     /// preallocated ranges read as zeros.
-    fn plan_range(&mut self, ino: u64, off: u64, end: u64) -> Result<ReadPlan> {
+    pub(crate) fn plan_range(&mut self, ino: u64, off: u64, end: u64) -> Result<ReadPlan> {
         let mut plan = ReadPlan {
             len: (end - off) as usize,
             ..Default::default()
@@ -195,7 +184,7 @@ impl Inner {
     }
 
     /// Allocates `len` bytes of data space as one or more extents; all or nothing.
-    fn alloc_space(&mut self, len: u64) -> Result<Vec<(u64, u64)>> {
+    pub(crate) fn alloc_space(&mut self, len: u64) -> Result<Vec<(u64, u64)>> {
         let mut space: Vec<(u64, u64)> = Vec::new();
         let mut need = len;
         while need > 0 {
@@ -270,85 +259,77 @@ impl Inner {
         self.map_blocks(ino, i, off, &space, sums)
     }
 
-    /// First half of a write, under the fs lock: checks, the partial blocks around the
-    /// range, and the space. The data goes to the device without the lock.
-    pub(crate) fn write_prepare(&mut self, ino: u64, off: u64, data: &[u8]) -> Result<WritePlan> {
+    /// Checks a cached write of `ino` that needs up to `room` bytes of free space
+    /// (its own worst case plus every dirty block); returns the file size. The tree
+    /// nodes that writeback will copy get a margin on top (1/32: checksums, extent
+    /// items and the nodes holding them), so the reservation holds at writeback.
+    pub(crate) fn write_begin(&mut self, ino: u64, room: u64) -> Result<u64> {
         let i = self.check_file(ino)?;
-        let end = off.checked_add(data.len() as u64).ok_or(Error::TooBig)?;
-        if end > MAX_FILE_SIZE {
-            return Err(Error::TooBig);
-        }
-        if data.is_empty() {
-            return Ok(WritePlan {
-                bstart: off,
-                end,
-                buf: Vec::new(),
-                space: Vec::new(),
-            });
-        }
-        if !self
-            .store
-            .alloc
-            .has_room(round_up(data.len() as u64) + 2 * BS)
-        {
+        if !self.store.alloc.has_room(room + room / 32 + 2 * BS) {
             return Err(Error::NoSpace);
         }
-        let bstart = off / BS * BS;
-        let bend = round_up(end);
-        let mut buf = vec![0u8; (bend - bstart) as usize];
-        let size = i.size.get();
-        // Partial first and last blocks keep the bytes around the write.
-        if off > bstart && bstart < size {
-            let head = self.read_range(ino, bstart, bstart + BS)?;
-            buf[..BS as usize].copy_from_slice(&head);
-        }
-        if end < bend && bend - BS < size && (bend - BS > bstart || off == bstart) {
-            let tail = self.read_range(ino, bend - BS, bend)?;
-            let at = buf.len() - BS as usize;
-            buf[at..].copy_from_slice(&tail);
-        }
-        buf[(off - bstart) as usize..(end - bstart) as usize].copy_from_slice(data);
-        // Bytes past EOF in the last block must stay zero on disk for later extends.
-        if end > size {
-            let z = (end - bstart) as usize;
-            buf[z..].fill(0);
-        }
-        let space = self.alloc_space(buf.len() as u64)?;
-        Ok(WritePlan {
-            bstart,
-            end,
-            buf,
-            space,
-        })
+        Ok(i.size.get())
     }
 
-    /// Second half of a write, under the fs lock: maps the written extents and updates
-    /// size and times.
-    pub(crate) fn write_finish(
-        &mut self,
-        ino: u64,
-        plan: WritePlan,
-        sums: Vec<Vec<u8>>,
-    ) -> Result<()> {
-        let mut i = match self.check_file(ino) {
-            Ok(i) => i,
-            Err(e) => {
-                self.release_space(&plan.space);
-                return Err(e);
+    /// Records a cached write of `ino` that ended at `end`: size and times, held in
+    /// `pending` until writeback or the next change of the inode item.
+    pub(crate) fn note_write(&mut self, ino: u64, end: u64) -> Result<()> {
+        let i = self.get_inode(ino)?;
+        let now = Timespec::now();
+        self.pending.insert(
+            ino,
+            super::PendingAttr {
+                size: i.size.get().max(end),
+                mtime: now,
+                ctime: now,
+            },
+        );
+        Ok(())
+    }
+
+    /// Maps runs written back to `ino`: (file offset, extents holding the data, their
+    /// checksums). Releases the space if the inode is gone.
+    pub(crate) fn map_written(&mut self, ino: u64, placed: Vec<WrittenRun>) -> Result<()> {
+        let mut i = match self.get_inode_opt(ino)? {
+            Some(i) => i,
+            None => {
+                for (_, space, _) in &placed {
+                    self.release_space(space);
+                }
+                return Ok(());
             }
         };
-        if plan.space.is_empty() {
-            return Ok(());
+        for (off, space, sums) in placed {
+            self.map_blocks(ino, &mut i, off, &space, sums)?;
         }
-        self.map_blocks(ino, &mut i, plan.bstart, &plan.space, sums)?;
-        let now = Timespec::now();
-        if plan.end > i.size.get() {
-            i.size = plan.end.into();
-        }
-        i.mtime = now;
-        i.ctime = now;
         self.put_inode(ino, &mut i)?;
         self.store.log.mark_data(ino);
+        Ok(())
+    }
+
+    /// Puts the pending size and times of `ino` into its inode item.
+    pub(crate) fn flush_pending(&mut self, ino: u64) -> Result<()> {
+        if !self.pending.contains_key(&ino) {
+            return Ok(());
+        }
+        match self.get_inode_opt(ino)? {
+            Some(mut i) => {
+                self.put_inode(ino, &mut i)?;
+                self.store.log.mark_data(ino);
+            }
+            None => {
+                self.pending.remove(&ino);
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts every pending size and time into the inode items (before a commit).
+    pub(crate) fn flush_all_pending(&mut self) -> Result<()> {
+        let inos: Vec<u64> = self.pending.keys().copied().collect();
+        for ino in inos {
+            self.flush_pending(ino)?;
+        }
         Ok(())
     }
 
@@ -472,13 +453,8 @@ impl Inner {
     }
 }
 
-/// A write with its space allocated and its data assembled in whole blocks.
-pub(crate) struct WritePlan {
-    bstart: u64,
-    end: u64,
-    pub(crate) buf: Vec<u8>,
-    pub(crate) space: Vec<(u64, u64)>,
-}
+/// A run written back: its file offset, the extents holding it, their checksums.
+pub(crate) type WrittenRun = (u64, Vec<(u64, u64)>, Vec<Vec<u8>>);
 
 /// Writes `buf` into the extents of `space`, in order; returns each extent's
 /// checksums. Needs no lock: the space belongs to the caller until it is mapped.

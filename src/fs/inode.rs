@@ -6,7 +6,9 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use super::Inner;
 use crate::error::{Error, Result};
-use crate::format::{kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, MAX_FILE_SIZE};
+use crate::format::{
+    kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE, MAX_FILE_SIZE,
+};
 
 /// The type of an inode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,12 +187,21 @@ pub(crate) fn check_access(a: &Attr, mask: i32, uid: u32, gid: u32, groups: &[u3
 }
 
 impl Inner {
+    /// The inode item of `ino`, with the size and times of cached writes not yet in
+    /// the tree (see `PendingAttr`).
     pub(crate) fn get_inode_opt(&mut self, ino: u64) -> Result<Option<InodeItem>> {
         match self.store.search(tree::FS, &inode_key(ino))? {
             None => Ok(None),
-            Some(v) => InodeItem::read_from_bytes(&v)
-                .map(Some)
-                .map_err(|_| Error::corrupt("inode", ino, "bad inode item size")),
+            Some(v) => {
+                let mut i = InodeItem::read_from_bytes(&v)
+                    .map_err(|_| Error::corrupt("inode", ino, "bad inode item size"))?;
+                if let Some(p) = self.pending.get(&ino) {
+                    i.size = p.size.into();
+                    i.mtime = p.mtime;
+                    i.ctime = p.ctime;
+                }
+                Ok(Some(i))
+            }
         }
     }
 
@@ -198,7 +209,9 @@ impl Inner {
         self.get_inode_opt(ino)?.ok_or(Error::NotFound)
     }
 
+    /// Stores the inode item of `ino` (which includes what was pending).
     pub(crate) fn put_inode(&mut self, ino: u64, item: &mut InodeItem) -> Result<()> {
+        self.pending.remove(&ino);
         item.transid = self.store.generation.into();
         self.store
             .insert(tree::FS, inode_key(ino), item.as_bytes().to_vec())
@@ -206,11 +219,15 @@ impl Inner {
 
     pub(crate) fn getattr(&mut self, ino: u64) -> Result<Attr> {
         let i = self.get_inode(ino)?;
-        attr_of(ino, &i)
+        self.attr_of(ino, &i)
     }
 
+    /// The attributes of `ino`; its blocks count the dirty cached blocks that
+    /// writeback will allocate, as a disk-usage or sparse-file check expects.
     pub(crate) fn attr_of(&self, ino: u64, i: &InodeItem) -> Result<Attr> {
-        attr_of(ino, i)
+        let mut a = attr_of(ino, i)?;
+        a.blocks += self.cache.dirty_blocks_of(ino) * (BLOCK_SIZE / 512);
+        Ok(a)
     }
 
     /// Refuses operations that add data or names when only the reserve is left.
@@ -305,11 +322,13 @@ impl Inner {
         }
         i.ctime = set.ctime.map(Timespec::from_system).unwrap_or(now);
         self.put_inode(ino, &mut i)?;
-        attr_of(ino, &i)
+        self.attr_of(ino, &i)
     }
 
     /// Deletes every item of `ino` and drops its extents' references.
     pub(crate) fn free_inode(&mut self, ino: u64) -> Result<()> {
+        self.cache.discard(ino, 0);
+        self.pending.remove(&ino);
         let start = Key::new(ino, 0, 0);
         let end = Key::new(ino + 1, 0, 0);
         loop {

@@ -8,6 +8,7 @@
 mod dir;
 mod file;
 mod inode;
+mod io;
 mod xattr;
 
 use std::collections::HashMap;
@@ -17,9 +18,10 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 
+use crate::cache::{CacheOptions, PageCache};
 use crate::dev::{BlockDev, FileDev};
 use crate::error::{Error, Result};
-use crate::format::{objectid, tree, Key};
+use crate::format::{objectid, tree, Key, Timespec};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
 
@@ -32,6 +34,8 @@ pub struct Options {
     pub readonly: bool,
     /// Seconds between periodic commits (0: only on demand).
     pub commit_interval: Duration,
+    /// The page cache: size, folio size, writeback age, per-block dirty tracking.
+    pub cache: CacheOptions,
 }
 
 impl Default for Options {
@@ -39,6 +43,7 @@ impl Default for Options {
         Options {
             readonly: false,
             commit_interval: Duration::from_secs(30),
+            cache: CacheOptions::default(),
         }
     }
 }
@@ -125,17 +130,34 @@ pub struct ExtentInfo {
 /// The root directory's inode number.
 pub const ROOT_INO: u64 = objectid::ROOT_DIR;
 
+/// Size and times of an inode changed by cached writes and not yet stored in its
+/// item: `get_inode` applies them, `put_inode` stores them. Writeback, fsync and
+/// commit store them, so the tree only learns a size with (or after) its data.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PendingAttr {
+    size: u64,
+    mtime: Timespec,
+    ctime: Timespec,
+}
+
 pub(crate) struct Inner {
     pub(crate) store: Store,
     next_ino: u64,
     /// Open handles per inode: an unlinked inode lives until its last one closes.
     pins: HashMap<u64, u64>,
+    /// See [`PendingAttr`].
+    pending: HashMap<u64, PendingAttr>,
+    /// The page cache, to drop the folios of freed inodes.
+    cache: Arc<PageCache>,
 }
 
 /// A mounted birchfs: the library's front door. All methods are thread-safe.
 pub struct Fs {
-    /// Per-file locks, sharded by inode number (taken before `inner`).
+    /// Per-file locks, sharded by inode number (taken first).
     file_locks: Vec<RwLock<()>>,
+    /// Per-file writeback locks, sharded (after `file_locks`, before `commit_lock`).
+    wb_locks: Vec<Mutex<()>>,
+    cache: Arc<PageCache>,
     pub(crate) inner: Mutex<Inner>,
     commit_lock: Mutex<()>,
     dev: Arc<dyn BlockDev>,
@@ -157,6 +179,11 @@ impl Fs {
             store,
             next_ino: objectid::FIRST_FREE,
             pins: HashMap::new(),
+            pending: HashMap::new(),
+            cache: Arc::new(PageCache::new(CacheOptions {
+                cache_size: 1 << 20,
+                ..Default::default()
+            })),
         };
         inner.make_root_dir()?;
         let batch = inner.store.prepare_commit()?;
@@ -166,18 +193,24 @@ impl Fs {
 
     /// Mounts the filesystem on `dev`: the last commit's state, then frees orphans.
     pub fn open(dev: Arc<dyn BlockDev>, opts: Options) -> Result<Fs> {
+        opts.cache.validate().map_err(Error::BadOption)?;
         let store = Store::open(dev.clone(), opts.readonly)?;
         let stats = store.stats.clone();
+        let cache = Arc::new(PageCache::new(opts.cache));
         let mut inner = Inner {
             store,
             next_ino: 0,
             pins: HashMap::new(),
+            pending: HashMap::new(),
+            cache: cache.clone(),
         };
         let replayed = inner.replay_log()?;
         inner.store.log.enabled = !opts.readonly;
         inner.next_ino = inner.find_next_ino()?;
         let fs = Fs {
             file_locks: (0..FILE_LOCK_SHARDS).map(|_| RwLock::new(())).collect(),
+            wb_locks: (0..FILE_LOCK_SHARDS).map(|_| Mutex::new(())).collect(),
+            cache,
             inner: Mutex::new(inner),
             commit_lock: Mutex::new(()),
             dev,
@@ -218,7 +251,7 @@ impl Fs {
     fn with_space<T>(&self, f: impl Fn(&mut Inner) -> Result<T>) -> Result<T> {
         match self.with(&f) {
             Err(Error::NoSpace) if self.space_may_come_back() => {
-                self.commit()?;
+                self.commit_tree()?;
                 self.with(f)
             }
             r => r,
@@ -239,13 +272,21 @@ impl Fs {
             (r, g.store.dirty_nodes() > DIRTY_COMMIT_NODES)
         };
         if big {
-            self.commit()?;
+            self.commit_tree()?;
         }
         r
     }
 
-    /// Makes everything done so far durable (a full commit).
+    /// Makes everything done so far durable: writes back the page cache, then a full
+    /// commit. A writeback error is returned after the commit of everything else.
     pub fn commit(&self) -> Result<()> {
+        let wb = self.writeback_all();
+        self.commit_tree()?;
+        wb
+    }
+
+    /// A full commit of the trees as they are, without writing back cached data.
+    fn commit_tree(&self) -> Result<()> {
         let _c = self.commit_lock.lock();
         self.commit_locked()
     }
@@ -255,6 +296,7 @@ impl Fs {
         let t0 = std::time::Instant::now();
         let batch = {
             let mut g = self.inner.lock();
+            g.flush_all_pending()?;
             if !g.store.has_changes() {
                 return Ok(());
             }
@@ -279,26 +321,30 @@ impl Fs {
     pub fn fsync(&self, ino: u64, datasync: bool) -> Result<()> {
         let t0 = std::time::Instant::now();
         let r = match self.fsync_target(ino, datasync) {
-            None => Ok(()),
-            Some(t) => self.sync_to(t),
+            Ok(None) => Ok(()),
+            Ok(Some(t)) => self.sync_to(t),
+            Err(e) => Err(e),
         };
         self.stats.fsync_latency.record(t0.elapsed());
         r?;
         self.commit_if_log_full()
     }
 
-    /// The first half of an fsync of `ino`: `None` when everything about it is already
-    /// durable (the fsync is done), else the log position [`Fs::sync_to`] must reach.
+    /// The first half of an fsync of `ino`: writes back its cached data, then gives
+    /// `None` when everything about it is already durable (the fsync is done), else
+    /// the log position [`Fs::sync_to`] must reach.
     /// With `datasync` (fdatasync), changes a read of the data does not depend on
     /// (times, mode, owner, xattrs, names) do not count. Lets a server queue fsyncs and
     /// answer them from one writer (group commit).
-    pub fn fsync_target(&self, ino: u64, datasync: bool) -> Option<u64> {
+    pub fn fsync_target(&self, ino: u64, datasync: bool) -> Result<Option<u64>> {
         Stats::add(&self.stats.fsyncs, 1);
         if self.opts.readonly {
             Stats::add(&self.stats.fsyncs_noop, 1);
-            return None;
+            return Ok(None);
         }
-        let g = self.inner.lock();
+        self.writeback(ino, u64::MAX)?;
+        let mut g = self.inner.lock();
+        g.flush_pending(ino)?;
         let t = if g.store.log.overflow {
             Some(u64::MAX)
         } else {
@@ -309,7 +355,7 @@ impl Fs {
             Some(_) if g.store.log.logged_before(ino) => Stats::add(&self.stats.fsyncs_relogged, 1),
             Some(_) => {}
         }
-        t
+        Ok(t)
     }
 
     /// Makes the log durable up to `target` (from [`Fs::fsync_target`]).
@@ -321,7 +367,7 @@ impl Fs {
     /// in it; servers call this after answering the fsyncs of a batch.
     pub fn commit_if_log_full(&self) -> Result<()> {
         if self.inner.lock().store.log.wants_commit() {
-            self.commit()?;
+            self.commit_tree()?;
         }
         Ok(())
     }
@@ -417,12 +463,6 @@ impl Fs {
         self.with(|i| i.getattr(ino))
     }
 
-    /// Changes attributes; size changes truncate or extend the file.
-    pub fn setattr(&self, ino: u64, set: &SetAttr) -> Result<Attr> {
-        let _f = set.size.map(|_| self.file_lock(ino).write());
-        self.with_space(|i| i.setattr(ino, set))
-    }
-
     /// Creates a node (file, fifo, device, socket) named `name` in `parent`.
     pub fn mknod(&self, parent: u64, name: &[u8], mode: u32, rdev: u64, cr: Creds) -> Result<Attr> {
         self.with_space(|i| i.create_node(parent, name, mode, rdev, cr, None))
@@ -477,40 +517,9 @@ impl Fs {
         self.with(|i| i.readdir(ino, offset, max))
     }
 
-    /// Reads up to `size` bytes at `offset`.
-    ///
-    /// The blocks are found under the fs lock and read without it; the file's lock,
-    /// held shared, keeps them from being freed meanwhile.
-    pub fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>> {
-        let _f = self.file_lock(ino).read();
-        let plan = self.with(|i| i.read_plan(ino, offset, size as u64))?;
-        plan.execute(self.dev.as_ref())
-    }
-
     /// The lock that orders writes, size changes and reads of one file.
     fn file_lock(&self, ino: u64) -> &RwLock<()> {
         &self.file_locks[(ino % FILE_LOCK_SHARDS as u64) as usize]
-    }
-
-    /// Writes `data` at `offset`; returns the bytes written.
-    ///
-    /// Space is allocated under the fs lock, the data goes to the device without it,
-    /// and the new extents are mapped under it again; the file's lock keeps other
-    /// writes, truncates and reads of the same file out of the middle.
-    pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
-        let _f = self.file_lock(ino).write();
-        let plan = self.with_space(|i| i.write_prepare(ino, offset, data))?;
-        let sums = match file::write_extents(self.dev.as_ref(), &self.stats, &plan.space, &plan.buf)
-        {
-            Ok(s) => s,
-            Err(e) => {
-                self.inner.lock().release_space(&plan.space);
-                return Err(e);
-            }
-        };
-        self.with(|i| i.write_finish(ino, plan, sums))?;
-        Stats::add(&self.stats.user_bytes, data.len() as u64);
-        Ok(data.len())
     }
 
     /// Where a file's data lives on the device, in file order (holes are absent).
@@ -518,17 +527,11 @@ impl Fs {
         self.with(|i| i.extent_map(ino))
     }
 
-    /// Allocates, or with `punch_hole` deallocates, a range.
-    pub fn fallocate(&self, ino: u64, offset: u64, len: u64, mode: FallocMode) -> Result<()> {
-        let _f = self.file_lock(ino).write();
-        self.with_space(|i| i.fallocate(ino, offset, len, mode))
-    }
-
     /// Space and inode counts.
     pub fn statfs(&self) -> StatFs {
         let g = self.inner.lock();
         let a = &g.store.alloc;
-        let free = a.free_bytes() + a.pinned_bytes();
+        let free = (a.free_bytes() + a.pinned_bytes()).saturating_sub(self.cache.dirty_bytes());
         StatFs {
             bsize: 4096,
             blocks: g.store.data_bytes() / 4096,

@@ -1,0 +1,151 @@
+//! A folio: a run of file blocks cached together, with one uptodate and one dirty
+//! bit per 4 KiB block (seed 5: writeback writes only the dirty blocks).
+//!
+//! Invariants: a dirty block is always uptodate (a partial-block write reads the
+//! block first), and a block that is not uptodate holds zeros.
+
+use std::time::Instant;
+
+/// Most blocks a folio can hold: 1 MiB of 4 KiB blocks.
+pub(crate) const MAX_BLOCKS: usize = 256;
+
+/// One bit per block.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Bitmap([u64; MAX_BLOCKS / 64]);
+
+impl Bitmap {
+    /// Whether block `b` is set.
+    pub(crate) fn get(&self, b: usize) -> bool {
+        self.0[b / 64] & (1 << (b % 64)) != 0
+    }
+
+    /// Sets blocks `[a, b)`; returns how many were not set before.
+    pub(crate) fn set_range(&mut self, a: usize, b: usize) -> usize {
+        let mut n = 0;
+        for i in a..b {
+            if !self.get(i) {
+                self.0[i / 64] |= 1 << (i % 64);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Clears blocks `[a, b)`.
+    pub(crate) fn clear_range(&mut self, a: usize, b: usize) {
+        for i in a..b {
+            self.0[i / 64] &= !(1 << (i % 64));
+        }
+    }
+
+    /// Number of set blocks.
+    pub(crate) fn count(&self) -> usize {
+        self.0.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// Whether any block is set.
+    pub(crate) fn any(&self) -> bool {
+        self.0.iter().any(|&w| w != 0)
+    }
+
+    /// Maximal runs `[a, b)` of set blocks among the first `n`, in order.
+    pub(crate) fn runs(&self, n: usize) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < n {
+            if self.get(i) {
+                let s = i;
+                while i < n && self.get(i) {
+                    i += 1;
+                }
+                out.push((s, i));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+}
+
+/// The cached bytes of one folio and the state of each of its blocks.
+#[derive(Debug)]
+pub(crate) struct Folio {
+    /// The folio's bytes; blocks that are not uptodate are zeros.
+    pub(crate) data: Box<[u8]>,
+    /// Blocks whose bytes are the file's current contents.
+    pub(crate) uptodate: Bitmap,
+    /// Blocks newer than the device (each also uptodate).
+    pub(crate) dirty: Bitmap,
+    /// When the oldest dirty block was dirtied (for `dirty_expire`).
+    pub(crate) dirty_since: Option<Instant>,
+}
+
+impl Folio {
+    /// An empty folio of `size` bytes: nothing uptodate, nothing dirty.
+    pub(crate) fn new(size: usize) -> Folio {
+        Folio {
+            data: vec![0u8; size].into_boxed_slice(),
+            uptodate: Bitmap::default(),
+            dirty: Bitmap::default(),
+            dirty_since: None,
+        }
+    }
+
+    /// Marks blocks `[a, b)` dirty (and uptodate); returns how many were clean.
+    pub(crate) fn mark_dirty(&mut self, a: usize, b: usize) -> usize {
+        debug_assert!(
+            (a..b).all(|i| self.uptodate.get(i)),
+            "dirty block not uptodate"
+        );
+        let n = self.dirty.set_range(a, b);
+        if n > 0 && self.dirty_since.is_none() {
+            self.dirty_since = Some(Instant::now());
+        }
+        n
+    }
+
+    /// Clears the dirty bits of `[a, b)` (their bytes are on their way to the device).
+    pub(crate) fn clear_dirty(&mut self, a: usize, b: usize) {
+        self.dirty.clear_range(a, b);
+        if !self.dirty.any() {
+            self.dirty_since = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bitmap_runs_and_counts() {
+        let mut m = Bitmap::default();
+        assert_eq!(m.set_range(3, 6), 3);
+        assert_eq!(m.set_range(5, 8), 2);
+        assert_eq!(m.set_range(63, 66), 3);
+        assert_eq!(m.set_range(255, 256), 1);
+        assert_eq!(m.count(), 9);
+        assert_eq!(m.runs(256), vec![(3, 8), (63, 66), (255, 256)]);
+        assert_eq!(m.runs(64), vec![(3, 8), (63, 64)]);
+        m.clear_range(4, 64);
+        assert_eq!(m.runs(256), vec![(3, 4), (64, 66), (255, 256)]);
+        m.clear_range(0, 256);
+        assert!(!m.any());
+    }
+
+    #[test]
+    fn dirty_marks_only_the_touched_blocks_and_keeps_its_age() {
+        let mut f = Folio::new(16 * 4096);
+        f.uptodate.set_range(0, 16);
+        assert_eq!(f.mark_dirty(2, 3), 1);
+        let t = f.dirty_since.unwrap();
+        assert_eq!(f.mark_dirty(2, 5), 2);
+        assert_eq!(f.dirty_since, Some(t));
+        assert_eq!(f.dirty.runs(16), vec![(2, 5)]);
+        f.clear_dirty(2, 4);
+        assert_eq!(f.dirty.runs(16), vec![(4, 5)]);
+        assert!(f.dirty_since.is_some());
+        f.clear_dirty(4, 5);
+        assert!(f.dirty_since.is_none());
+    }
+}

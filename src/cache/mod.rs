@@ -1,0 +1,7 @@
+//! The page cache: folios with per-block uptodate and dirty bits (seed 5).
+
+mod folio;
+mod page_cache;
+
+pub use page_cache::{default_cache_size, CacheOptions};
+pub(crate) use page_cache::{CachedFolio, PageCache};

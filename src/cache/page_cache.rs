@@ -1,0 +1,493 @@
+//! The page cache: folios of file data by (inode, folio index), bounded in memory.
+//!
+//! Lock order: the cache's `state` lock, then a folio's lock; both are leaves below
+//! the fs lock (`Inner`): nothing takes another lock while holding either, except
+//! `state` → folio. No device I/O happens under either lock.
+//!
+//! A folio in use is pinned by its `Arc`: whoever took it from the map holds a strong
+//! reference, and eviction (under `state`) only drops folios nobody else holds, so a
+//! writer can never dirty a folio that has already left the cache.
+//!
+//! Dirty bytes double as the delayed-allocation reservation: a write is refused with
+//! ENOSPC when the free space could not hold every dirty block once more.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::folio::{Folio, MAX_BLOCKS};
+use crate::format::BLOCK_SIZE;
+
+const BS: u64 = BLOCK_SIZE;
+
+/// The readahead window a sequential stream starts with.
+const RA_INITIAL: u64 = 128 << 10;
+/// The largest readahead window.
+const RA_MAX: u64 = 4 << 20;
+
+/// How the cache is sized and when it writes back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheOptions {
+    /// Bytes of cached file data the cache may hold (folios, clean and dirty).
+    pub cache_size: u64,
+    /// Folio size in bytes: a power of two from 4 KiB to 1 MiB.
+    pub folio_size: u64,
+    /// Dirty data older than this is written back.
+    pub dirty_expire: Duration,
+    /// Track dirty state per 4 KiB block (seed 5); when off, a write dirties its whole
+    /// folio and writeback writes whole folios (for comparison only).
+    pub block_dirty: bool,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            cache_size: default_cache_size(),
+            folio_size: 64 << 10,
+            dirty_expire: Duration::from_secs(30),
+            block_dirty: true,
+        }
+    }
+}
+
+/// The default cache size: an eighth of physical memory, at least 64 MiB.
+pub fn default_cache_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, psize) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let ram = if pages > 0 && psize > 0 {
+        pages as u64 * psize as u64
+    } else {
+        1 << 30
+    };
+    (ram / 8).max(64 << 20)
+}
+
+impl CacheOptions {
+    /// Checks the sizes; the error names the bad option.
+    pub fn validate(&self) -> Result<(), String> {
+        let f = self.folio_size;
+        if !f.is_power_of_two() || !(BS..=MAX_BLOCKS as u64 * BS).contains(&f) {
+            return Err(format!(
+                "folio_size must be a power of two from 4K to 1M, not {f}"
+            ));
+        }
+        if self.cache_size < 4 * f {
+            return Err(format!(
+                "cache_size must hold at least four folios ({} bytes), not {}",
+                4 * f,
+                self.cache_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A folio in the cache, with its last use for LRU eviction.
+#[derive(Debug)]
+pub(crate) struct CachedFolio {
+    pub(crate) folio: Mutex<Folio>,
+    last_used: AtomicU64,
+}
+
+/// Where a sequential reader is and how far ahead to read for it.
+#[derive(Debug, Clone, Copy)]
+struct Readahead {
+    next: u64,
+    window: u64,
+}
+
+#[derive(Default)]
+struct State {
+    folios: BTreeMap<(u64, u64), Arc<CachedFolio>>,
+    /// Inodes with dirty folios: since when, and how many dirty blocks.
+    dirty_inos: HashMap<u64, (Instant, u64)>,
+    readahead: HashMap<u64, Readahead>,
+}
+
+/// The page cache of one mounted filesystem.
+pub(crate) struct PageCache {
+    opts: CacheOptions,
+    state: Mutex<State>,
+    /// Bytes of all folios.
+    bytes: AtomicU64,
+    /// Bytes of dirty blocks.
+    dirty_bytes: AtomicU64,
+    tick: AtomicU64,
+    /// Wakes the flusher when dirty data passes the background threshold.
+    kick: (Mutex<bool>, Condvar),
+}
+
+impl PageCache {
+    pub(crate) fn new(opts: CacheOptions) -> PageCache {
+        PageCache {
+            opts,
+            state: Mutex::new(State::default()),
+            bytes: AtomicU64::new(0),
+            dirty_bytes: AtomicU64::new(0),
+            tick: AtomicU64::new(0),
+            kick: (Mutex::new(false), Condvar::new()),
+        }
+    }
+
+    pub(crate) fn opts(&self) -> &CacheOptions {
+        &self.opts
+    }
+
+    pub(crate) fn folio_size(&self) -> u64 {
+        self.opts.folio_size
+    }
+
+    /// Blocks per folio.
+    pub(crate) fn blocks(&self) -> usize {
+        (self.opts.folio_size / BS) as usize
+    }
+
+    /// Bytes of all cached folios.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of dirty blocks (the delayed-allocation reservation).
+    pub(crate) fn dirty_bytes(&self) -> u64 {
+        self.dirty_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Dirty bytes past which writers write back before returning.
+    pub(crate) fn dirty_limit(&self) -> u64 {
+        self.opts.cache_size / 2
+    }
+
+    /// Dirty bytes past which the flusher starts writing back.
+    pub(crate) fn background_limit(&self) -> u64 {
+        self.opts.cache_size / 8
+    }
+
+    /// Counts `blocks` of `ino` newly dirtied (after marking them in their folio).
+    /// A writer marks its folio dirty before this, so either `settle` sees the dirty
+    /// bit or this call comes after it.
+    pub(crate) fn add_dirty(&self, ino: u64, blocks: usize) {
+        self.dirty_bytes
+            .fetch_add(blocks as u64 * BS, Ordering::Relaxed);
+        self.state
+            .lock()
+            .dirty_inos
+            .entry(ino)
+            .or_insert_with(|| (Instant::now(), 0))
+            .1 += blocks as u64;
+        if self.dirty_bytes() > self.background_limit() {
+            self.wake_flusher();
+        }
+    }
+
+    /// Counts `blocks` of `ino` no longer dirty.
+    pub(crate) fn sub_dirty(&self, ino: u64, blocks: usize) {
+        self.sub_dirty_locked(&mut self.state.lock(), ino, blocks);
+    }
+
+    fn sub_dirty_locked(&self, st: &mut State, ino: u64, blocks: usize) {
+        let n = blocks as u64 * BS;
+        let _ = self
+            .dirty_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
+                Some(d.saturating_sub(n))
+            });
+        if let Some(d) = st.dirty_inos.get_mut(&ino) {
+            d.1 = d.1.saturating_sub(blocks as u64);
+        }
+    }
+
+    /// Dirty blocks of `ino`.
+    pub(crate) fn dirty_blocks_of(&self, ino: u64) -> u64 {
+        self.state.lock().dirty_inos.get(&ino).map_or(0, |d| d.1)
+    }
+
+    fn touch(&self, f: &CachedFolio) {
+        let t = self.tick.fetch_add(1, Ordering::Relaxed);
+        f.last_used.store(t, Ordering::Relaxed);
+    }
+
+    /// The cached folio `idx` of `ino`, if any.
+    #[cfg(test)]
+    pub(crate) fn get(&self, ino: u64, idx: u64) -> Option<Arc<CachedFolio>> {
+        let f = self.state.lock().folios.get(&(ino, idx)).cloned()?;
+        self.touch(&f);
+        Some(f)
+    }
+
+    /// The folio `idx` of `ino`, created empty when it is not cached.
+    pub(crate) fn get_or_create(&self, ino: u64, idx: u64) -> Arc<CachedFolio> {
+        let f = {
+            let mut st = self.state.lock();
+            st.folios
+                .entry((ino, idx))
+                .or_insert_with(|| {
+                    self.bytes
+                        .fetch_add(self.opts.folio_size, Ordering::Relaxed);
+                    Arc::new(CachedFolio {
+                        folio: Mutex::new(Folio::new(self.opts.folio_size as usize)),
+                        last_used: AtomicU64::new(0),
+                    })
+                })
+                .clone()
+        };
+        self.touch(&f);
+        f
+    }
+
+    /// The cached folios of `ino` with index in `[from, to)`, in order.
+    pub(crate) fn folios_of(&self, ino: u64, from: u64, to: u64) -> Vec<(u64, Arc<CachedFolio>)> {
+        if from >= to {
+            return Vec::new();
+        }
+        self.state
+            .lock()
+            .folios
+            .range((ino, from)..(ino, to))
+            .map(|(&(_, i), f)| (i, f.clone()))
+            .collect()
+    }
+
+    /// Whether `ino` may have dirty folios.
+    pub(crate) fn has_dirty(&self, ino: u64) -> bool {
+        self.state.lock().dirty_inos.contains_key(&ino)
+    }
+
+    /// Inodes with dirty folios, oldest first.
+    pub(crate) fn dirty_inodes(&self) -> Vec<(u64, Instant)> {
+        let mut v: Vec<_> = self
+            .state
+            .lock()
+            .dirty_inos
+            .iter()
+            .map(|(&i, &(t, _))| (i, t))
+            .collect();
+        v.sort_by_key(|&(i, t)| (t, i));
+        v
+    }
+
+    /// Forgets `ino` as dirty if none of its folios is (after a writeback).
+    pub(crate) fn settle(&self, ino: u64) {
+        let mut st = self.state.lock();
+        let dirty = st
+            .folios
+            .range((ino, 0)..(ino, u64::MAX))
+            .any(|(_, f)| f.folio.lock().dirty.any());
+        if !dirty {
+            // A count left over belongs to a folio dropped while a writer held it.
+            if let Some((_, left)) = st.dirty_inos.remove(&ino) {
+                self.sub_dirty_locked(&mut st, ino, left as usize);
+            }
+        }
+    }
+
+    /// Drops the folios of `ino` from index `from` on, dirty or not (truncate, delete).
+    pub(crate) fn discard(&self, ino: u64, from: u64) {
+        let mut st = self.state.lock();
+        let keys: Vec<_> = st
+            .folios
+            .range((ino, from)..(ino, u64::MAX))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            if let Some(f) = st.folios.remove(&k) {
+                let mut g = f.folio.lock();
+                let n = g.dirty.count();
+                g.clear_dirty(0, MAX_BLOCKS);
+                drop(g);
+                self.sub_dirty_locked(&mut st, ino, n);
+                self.bytes
+                    .fetch_sub(self.opts.folio_size, Ordering::Relaxed);
+            }
+        }
+        if from == 0 {
+            st.dirty_inos.remove(&ino);
+            st.readahead.remove(&ino);
+        }
+    }
+
+    /// Evicts clean folios nobody holds, least recently used first, when the cache
+    /// is over its size; returns whether it is still over (too much is dirty).
+    pub(crate) fn evict(&self) -> bool {
+        let limit = self.opts.cache_size;
+        if self.bytes() <= limit {
+            return false;
+        }
+        let target = limit - limit / 8;
+        let mut st = self.state.lock();
+        let mut clean: Vec<(u64, (u64, u64))> = st
+            .folios
+            .iter()
+            .filter(|(_, f)| {
+                Arc::strong_count(f) == 1 && f.folio.try_lock().is_some_and(|g| !g.dirty.any())
+            })
+            .map(|(k, f)| (f.last_used.load(Ordering::Relaxed), *k))
+            .collect();
+        clean.sort_unstable();
+        for (_, k) in clean {
+            if self.bytes() <= target {
+                break;
+            }
+            st.folios.remove(&k);
+            self.bytes
+                .fetch_sub(self.opts.folio_size, Ordering::Relaxed);
+        }
+        self.bytes() > limit
+    }
+
+    /// How far past `end` to read for a read of `[off, end)` of `ino`: a window that
+    /// doubles while the reads follow each other, and nothing for random reads.
+    pub(crate) fn readahead(&self, ino: u64, off: u64, end: u64) -> u64 {
+        let mut st = self.state.lock();
+        let ra = st.readahead.entry(ino).or_insert(Readahead {
+            next: u64::MAX,
+            window: 0,
+        });
+        let window = if off == ra.next || off == 0 {
+            if ra.window == 0 {
+                RA_INITIAL
+            } else {
+                (ra.window * 2).min(RA_MAX)
+            }
+        } else {
+            0
+        };
+        *ra = Readahead { next: end, window };
+        window
+    }
+
+    /// Wakes the flusher.
+    pub(crate) fn wake_flusher(&self) {
+        *self.kick.0.lock() = true;
+        self.kick.1.notify_one();
+    }
+
+    /// Waits up to `d` for a wake-up.
+    pub(crate) fn wait_flusher(&self, d: Duration) {
+        let mut k = self.kick.0.lock();
+        if !*k {
+            self.kick.1.wait_for(&mut k, d);
+        }
+        *k = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(size: u64) -> PageCache {
+        PageCache::new(CacheOptions {
+            cache_size: size,
+            folio_size: 16 << 10,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let ok = CacheOptions::default();
+        assert!(ok.validate().is_ok());
+        for f in [0, 2048, 3 << 12, 2 << 20] {
+            let o = CacheOptions {
+                folio_size: f,
+                ..ok
+            };
+            assert!(o.validate().is_err(), "{f}");
+        }
+        let o = CacheOptions {
+            cache_size: 64 << 10,
+            ..ok
+        };
+        assert!(o.validate().is_err());
+    }
+
+    #[test]
+    fn eviction_keeps_dirty_and_held_folios_and_drops_the_oldest_clean() {
+        let c = cache(64 << 10); // four folios of 16 KiB
+        let held = c.get_or_create(1, 0);
+        {
+            let d = c.get_or_create(1, 1);
+            let mut g = d.folio.lock();
+            g.uptodate.set_range(0, 1);
+            g.mark_dirty(0, 1);
+        }
+        for i in 2..8 {
+            c.get_or_create(1, i);
+        }
+        c.get(1, 2); // used again: younger than 3..8
+        assert_eq!(c.bytes(), 8 * (16 << 10));
+        assert!(!c.evict());
+        let left: Vec<u64> = c.folios_of(1, 0, 100).iter().map(|x| x.0).collect();
+        assert!(left.contains(&0), "held folio evicted: {left:?}");
+        assert!(left.contains(&1), "dirty folio evicted: {left:?}");
+        assert!(!left.contains(&3), "oldest clean folio kept: {left:?}");
+        assert!(c.bytes() <= 64 << 10);
+        drop(held);
+    }
+
+    #[test]
+    fn eviction_reports_a_cache_full_of_dirty_folios() {
+        let c = cache(64 << 10);
+        for i in 0..6 {
+            let f = c.get_or_create(7, i);
+            let mut g = f.folio.lock();
+            g.uptodate.set_range(0, 4);
+            g.mark_dirty(0, 4);
+        }
+        assert!(c.evict());
+        assert_eq!(c.folios_of(7, 0, 10).len(), 6);
+    }
+
+    #[test]
+    fn discard_returns_the_reservation_and_settle_forgets_clean_inodes() {
+        let c = cache(1 << 20);
+        for i in 0..3 {
+            let f = c.get_or_create(5, i);
+            let mut g = f.folio.lock();
+            g.uptodate.set_range(0, 2);
+            let n = g.mark_dirty(0, 2);
+            drop(g);
+            c.add_dirty(5, n);
+        }
+        assert_eq!(c.dirty_bytes(), 6 * BS);
+        assert_eq!(c.dirty_blocks_of(5), 6);
+        c.discard(5, 1);
+        assert_eq!(c.dirty_bytes(), 2 * BS);
+        assert_eq!(c.dirty_blocks_of(5), 2);
+        assert!(c.has_dirty(5));
+        c.settle(5);
+        assert!(c.has_dirty(5), "folio 0 is still dirty");
+        {
+            let f = c.get(5, 0).unwrap();
+            let mut g = f.folio.lock();
+            g.clear_dirty(0, 2);
+            c.sub_dirty(5, 2);
+        }
+        c.settle(5);
+        assert!(!c.has_dirty(5));
+        assert_eq!(c.dirty_bytes(), 0);
+    }
+
+    #[test]
+    fn readahead_grows_with_a_stream_and_stops_for_random_reads() {
+        let c = cache(1 << 20);
+        let mut off = 0;
+        let mut windows = Vec::new();
+        for _ in 0..8 {
+            windows.push(c.readahead(9, off, off + 4096));
+            off += 4096;
+        }
+        assert_eq!(windows[0], RA_INITIAL);
+        assert!(windows.windows(2).all(|w| w[1] >= w[0]));
+        assert_eq!(*windows.last().unwrap(), RA_MAX);
+        assert_eq!(c.readahead(9, 1 << 30, (1 << 30) + 4096), 0);
+    }
+}

@@ -1,0 +1,491 @@
+//! Reads and writes through the page cache, and writeback with delayed allocation.
+//!
+//! A write copies into folios and marks only the blocks it touches dirty; it reads a
+//! block first only when it covers part of it and the block is not cached (seed 5).
+//! No space is allocated and no tree changes: the new size and times wait in
+//! `Inner::pending` (every inode read sees them). Writeback takes runs of contiguous
+//! dirty blocks, allocates each run's space in one piece, writes it without the fs
+//! lock and maps it; so sequential writes make large extents and random overwrites
+//! stay block-sized.
+//!
+//! Locks: writeback of one inode at a time (`wb_locks`, sharded, taken after the file
+//! lock and before `commit_lock`). Writers do not take it: writeback clears the dirty
+//! bits of what it copies, and a block dirtied again meanwhile is simply written again
+//! later. Truncate, hole punching and preallocation take both the file lock and the
+//! writeback lock, write back, and drop the folios they change.
+
+use std::sync::Arc;
+
+use super::Fs;
+use crate::cache::CachedFolio;
+use crate::error::{Error, Result};
+use crate::format::{BLOCK_SIZE, MAX_FILE_SIZE};
+use crate::stats::Stats;
+
+const BS: u64 = BLOCK_SIZE;
+
+/// Most dirty bytes one writeback pass takes from the cache before writing them.
+const WB_CHUNK: u64 = 32 << 20;
+
+/// Contiguous dirty blocks taken from the cache, with where they came from.
+struct DirtyRun {
+    off: u64,
+    buf: Vec<u8>,
+    parts: Vec<(Arc<CachedFolio>, usize, usize)>,
+}
+
+/// Blocks of one folio a read must fetch from the device: `[a, b)`.
+struct Missing {
+    folio: Arc<CachedFolio>,
+    /// File offset of block `a`.
+    off: u64,
+    a: usize,
+    b: usize,
+}
+
+/// Groups sorted block numbers into runs `[a, b)`.
+fn runs_of(blocks: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &k in blocks {
+        match out.last_mut() {
+            Some(r) if r.1 == k => r.1 += 1,
+            _ => out.push((k, k + 1)),
+        }
+    }
+    out
+}
+
+impl Fs {
+    /// The lock that keeps two writebacks of one inode apart.
+    fn wb_lock(&self, ino: u64) -> &parking_lot::Mutex<()> {
+        &self.wb_locks[(ino % self.wb_locks.len() as u64) as usize]
+    }
+
+    /// Writes `data` at `offset`; returns the bytes written (fewer only when an error
+    /// stopped it after some of them).
+    ///
+    /// The data lands in the page cache; space is reserved (ENOSPC comes here, not at
+    /// writeback) but allocated only at writeback.
+    pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        let _f = self.file_lock(ino).write();
+        let len = data.len() as u64;
+        let end = offset.checked_add(len).ok_or(Error::TooBig)?;
+        if end > MAX_FILE_SIZE {
+            return Err(Error::TooBig);
+        }
+        let cache = &self.cache;
+        let fsz = cache.folio_size();
+        let worst = if cache.opts().block_dirty {
+            end.div_ceil(BS) * BS - offset / BS * BS
+        } else {
+            end.div_ceil(fsz) * fsz - offset / fsz * fsz
+        };
+        let size = self.with_space(|i| i.write_begin(ino, worst + cache.dirty_bytes()))?;
+        if len == 0 {
+            return Ok(0);
+        }
+        let mut pos = offset;
+        let mut err = None;
+        while pos < end {
+            if let Err(e) = self.write_folio(ino, size, pos, end, &data[(pos - offset) as usize..])
+            {
+                err = Some(e);
+                break;
+            }
+            pos = (pos / fsz + 1) * fsz;
+        }
+        let pos = pos.min(end);
+        if pos > offset {
+            self.with(|i| i.note_write(ino, pos))?;
+            Stats::add(&self.stats.user_bytes, pos - offset);
+        }
+        if let Some(e) = err {
+            if pos == offset {
+                return Err(e);
+            }
+            tracing::warn!("short write of inode {ino} at {pos}: {e}");
+        }
+        self.balance(ino)?;
+        Ok((pos - offset) as usize)
+    }
+
+    /// Copies the part of a write that falls in the folio holding `pos`; `data` starts
+    /// at `pos` and the write ends at `end`; `size` is the file size before the write.
+    fn write_folio(&self, ino: u64, size: u64, pos: u64, end: u64, data: &[u8]) -> Result<()> {
+        let cache = &self.cache;
+        let fsz = cache.folio_size();
+        let idx = pos / fsz;
+        let fstart = idx * fsz;
+        let wend = end.min(fstart + fsz);
+        let a = ((pos - fstart) / BS) as usize;
+        let b = (wend - fstart).div_ceil(BS) as usize;
+        // The blocks this write makes dirty: the ones it touches, or with per-block
+        // tracking off, every block of the folio up to the end of the file.
+        let (da, db) = if cache.opts().block_dirty {
+            (a, b)
+        } else {
+            let in_file = size.max(end).saturating_sub(fstart).div_ceil(BS) as usize;
+            (0, b.max(in_file.min(cache.blocks())))
+        };
+        let covered =
+            |k: usize| fstart + k as u64 * BS >= pos && fstart + (k as u64 + 1) * BS <= wend;
+        let f = cache.get_or_create(ino, idx);
+        let need: Vec<usize> = {
+            let g = f.folio.lock();
+            (da..db)
+                .filter(|&k| !g.uptodate.get(k) && !covered(k) && fstart + (k as u64) * BS < size)
+                .collect()
+        };
+        let mut fetched = Vec::new();
+        if !need.is_empty() {
+            let runs = runs_of(&need);
+            let plans = self.with(|i| {
+                runs.iter()
+                    .map(|&(x, y)| {
+                        i.plan_range(ino, fstart + x as u64 * BS, fstart + y as u64 * BS)
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })?;
+            for ((x, _), p) in runs.into_iter().zip(plans) {
+                let buf = p.execute(self.dev.as_ref())?;
+                Stats::add(&self.stats.dev_read_bytes, buf.len() as u64);
+                fetched.push((x, buf));
+            }
+        }
+        let mut g = f.folio.lock();
+        for (x, buf) in fetched {
+            for (n, block) in buf.chunks(BS as usize).enumerate() {
+                let k = x + n;
+                if !g.uptodate.get(k) {
+                    g.data[k * BS as usize..(k + 1) * BS as usize].copy_from_slice(block);
+                    g.uptodate.set_range(k, k + 1);
+                }
+            }
+        }
+        let s = (pos - fstart) as usize;
+        g.data[s..s + (wend - pos) as usize].copy_from_slice(&data[..(wend - pos) as usize]);
+        // Blocks still not uptodate in [da, db) are covered by the write or lie past
+        // the end of the file: zeros plus what was just copied.
+        g.uptodate.set_range(da, db);
+        let newly = g.mark_dirty(da, db);
+        drop(g);
+        cache.add_dirty(ino, newly);
+        Ok(())
+    }
+
+    /// Reads up to `size` bytes at `offset`, from the cache where it can; a sequential
+    /// stream also brings the following blocks in (readahead).
+    ///
+    /// Only blocks that are not uptodate are read from the device. They are not dirty,
+    /// so no writeback moves them meanwhile, and the file's lock (shared) keeps writes,
+    /// truncates and hole punches of this file out until the read is done.
+    pub fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let _f = self.file_lock(ino).read();
+        let fsize = self.with(|i| i.check_file(ino).map(|it| it.size.get()))?;
+        if offset >= fsize || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = (offset + size as u64).min(fsize);
+        let cache = &self.cache;
+        let fsz = cache.folio_size();
+        let ra = cache.readahead(ino, offset, end);
+        let fill_end = (end + ra).min(fsize);
+        let mut held: Vec<(u64, Arc<CachedFolio>)> = Vec::new();
+        let mut missing: Vec<Missing> = Vec::new();
+        for idx in offset / fsz..fill_end.div_ceil(fsz) {
+            let fstart = idx * fsz;
+            let a = (offset.max(fstart) - fstart) / BS;
+            let b = (fill_end.min(fstart + fsz) - fstart).div_ceil(BS);
+            let f = cache.get_or_create(ino, idx);
+            {
+                let g = f.folio.lock();
+                let want: Vec<usize> = (a as usize..b as usize)
+                    .filter(|&k| !g.uptodate.get(k))
+                    .collect();
+                for (x, y) in runs_of(&want) {
+                    missing.push(Missing {
+                        folio: f.clone(),
+                        off: fstart + x as u64 * BS,
+                        a: x,
+                        b: y,
+                    });
+                }
+            }
+            if fstart < end {
+                held.push((idx, f));
+            }
+        }
+        self.fill_missing(ino, &missing)?;
+        drop(missing);
+        let mut out = vec![0u8; (end - offset) as usize];
+        for (idx, f) in &held {
+            let fstart = idx * fsz;
+            let s = offset.max(fstart);
+            let e = end.min(fstart + fsz);
+            let g = f.folio.lock();
+            out[(s - offset) as usize..(e - offset) as usize]
+                .copy_from_slice(&g.data[(s - fstart) as usize..(e - fstart) as usize]);
+        }
+        Stats::add(&self.stats.user_read_bytes, out.len() as u64);
+        drop(held);
+        self.balance(ino)?;
+        Ok(out)
+    }
+
+    /// Reads the `missing` blocks of `ino` from the device into their folios, one
+    /// device read per contiguous range (ranges may span folios).
+    fn fill_missing(&self, ino: u64, missing: &[Missing]) -> Result<()> {
+        if missing.is_empty() {
+            return Ok(());
+        }
+        // (file offset, end, first and last index into `missing`)
+        let mut ranges: Vec<(u64, u64, usize, usize)> = Vec::new();
+        for (n, m) in missing.iter().enumerate() {
+            let e = m.off + (m.b - m.a) as u64 * BS;
+            match ranges.last_mut() {
+                Some(r) if r.1 == m.off && r.1 - r.0 < crate::format::MAX_EXTENT_SIZE * 4 => {
+                    r.1 = e;
+                    r.3 = n + 1;
+                }
+                _ => ranges.push((m.off, e, n, n + 1)),
+            }
+        }
+        let plans = self.with(|i| {
+            ranges
+                .iter()
+                .map(|r| i.plan_range(ino, r.0, r.1))
+                .collect::<Result<Vec<_>>>()
+        })?;
+        for (r, plan) in ranges.iter().zip(plans) {
+            let buf = plan.execute(self.dev.as_ref())?;
+            Stats::add(&self.stats.dev_read_bytes, buf.len() as u64);
+            for m in &missing[r.2..r.3] {
+                let at = (m.off - r.0) as usize;
+                let mut g = m.folio.folio.lock();
+                for k in m.a..m.b {
+                    if !g.uptodate.get(k) {
+                        let src = at + (k - m.a) * BS as usize;
+                        g.data[k * BS as usize..(k + 1) * BS as usize]
+                            .copy_from_slice(&buf[src..src + BS as usize]);
+                        g.uptodate.set_range(k, k + 1);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps the cache within its limits: past the dirty limit the writer writes back
+    /// (its own file first); past the cache size, clean folios are evicted, and when
+    /// too much is dirty for that, the oldest dirty files are written back first.
+    fn balance(&self, ino: u64) -> Result<()> {
+        let cache = &self.cache;
+        if cache.dirty_bytes() > cache.dirty_limit() {
+            if cache.has_dirty(ino) {
+                self.writeback(ino, WB_CHUNK)?;
+            }
+            for (other, _) in cache.dirty_inodes() {
+                if cache.dirty_bytes() <= cache.dirty_limit() {
+                    break;
+                }
+                self.writeback(other, WB_CHUNK)?;
+            }
+        }
+        if cache.evict() {
+            for (other, _) in cache.dirty_inodes() {
+                self.writeback(other, WB_CHUNK)?;
+                if !cache.evict() {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes back up to about `max` bytes of the dirty blocks of `ino` (all of them
+    /// with `u64::MAX`); returns the bytes written.
+    pub(crate) fn writeback(&self, ino: u64, max: u64) -> Result<u64> {
+        if !self.cache.has_dirty(ino) {
+            return Ok(0);
+        }
+        let _w = self.wb_lock(ino).lock();
+        self.writeback_locked(ino, max)
+    }
+
+    /// [`Fs::writeback`] for a caller that holds the writeback lock of `ino`.
+    fn writeback_locked(&self, ino: u64, max: u64) -> Result<u64> {
+        let cache = &self.cache;
+        let fsz = cache.folio_size();
+        let nb = cache.blocks();
+        let mut done = 0;
+        while done < max {
+            let mut runs: Vec<DirtyRun> = Vec::new();
+            let mut taken = 0u64;
+            for (idx, f) in cache.folios_of(ino, 0, u64::MAX) {
+                if taken >= WB_CHUNK.min(max - done) {
+                    break;
+                }
+                let mut g = f.folio.lock();
+                let dirty = g.dirty.runs(nb);
+                if dirty.is_empty() {
+                    continue;
+                }
+                for &(a, b) in &dirty {
+                    let off = idx * fsz + a as u64 * BS;
+                    let bytes = &g.data[a * BS as usize..b * BS as usize];
+                    match runs.last_mut() {
+                        Some(r) if r.off + r.buf.len() as u64 == off => {
+                            r.buf.extend_from_slice(bytes);
+                            r.parts.push((f.clone(), a, b));
+                        }
+                        _ => runs.push(DirtyRun {
+                            off,
+                            buf: bytes.to_vec(),
+                            parts: vec![(f.clone(), a, b)],
+                        }),
+                    }
+                    taken += bytes.len() as u64;
+                }
+                let n = g.dirty.count();
+                g.clear_dirty(0, nb);
+                drop(g);
+                cache.sub_dirty(ino, n);
+            }
+            if runs.is_empty() {
+                break;
+            }
+            if let Err(e) = self.write_runs(ino, &runs) {
+                // The blocks are dirty again, so a later writeback (or fsync) retries.
+                for r in &runs {
+                    for (f, a, b) in &r.parts {
+                        let n = f.folio.lock().mark_dirty(*a, *b);
+                        cache.add_dirty(ino, n);
+                    }
+                }
+                return Err(e);
+            }
+            done += taken;
+        }
+        cache.settle(ino);
+        Ok(done)
+    }
+
+    /// Allocates space for each run, writes the runs there and maps them in the file.
+    fn write_runs(&self, ino: u64, runs: &[DirtyRun]) -> Result<()> {
+        let spaces = self.with_space(|i| {
+            let mut v: Vec<Vec<(u64, u64)>> = Vec::new();
+            for r in runs {
+                match i.alloc_space(r.buf.len() as u64) {
+                    Ok(s) => v.push(s),
+                    Err(e) => {
+                        for s in &v {
+                            i.release_space(s);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            Ok(v)
+        })?;
+        let mut sums = Vec::with_capacity(runs.len());
+        for (r, space) in runs.iter().zip(&spaces) {
+            match super::file::write_extents(self.dev.as_ref(), &self.stats, space, &r.buf) {
+                Ok(s) => sums.push(s),
+                Err(e) => {
+                    let mut g = self.inner.lock();
+                    for s in &spaces {
+                        g.release_space(s);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Stats::add(&self.stats.writeback_runs, runs.len() as u64);
+        let placed: Vec<super::file::WrittenRun> = runs
+            .iter()
+            .zip(spaces)
+            .zip(sums)
+            .map(|((r, s), c)| (r.off, s, c))
+            .collect();
+        self.with(|i| i.map_written(ino, placed))
+    }
+
+    /// Writes back every dirty block of every file; returns the first error after
+    /// trying them all.
+    pub(crate) fn writeback_all(&self) -> Result<()> {
+        let mut first = None;
+        for (ino, _) in self.cache.dirty_inodes() {
+            if let Err(e) = self.writeback(ino, u64::MAX) {
+                tracing::error!("writeback of inode {ino} failed: {e}");
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// One step of the background flusher: waits up to `wait` to be woken (dirty data
+    /// past the background threshold), then writes back files whose dirty data is
+    /// older than `dirty_expire`, and the oldest ones while the dirty data stays past
+    /// the threshold. A daemon calls it in a loop on its own thread.
+    pub fn flush_background(&self, wait: std::time::Duration) -> Result<()> {
+        let cache = &self.cache;
+        cache.wait_flusher(wait);
+        let expire = cache.opts().dirty_expire;
+        for (ino, since) in cache.dirty_inodes() {
+            let expired = since.elapsed() >= expire;
+            let over = cache.dirty_bytes() > cache.background_limit();
+            if !expired && !over {
+                break;
+            }
+            self.writeback(ino, if expired { u64::MAX } else { WB_CHUNK })?;
+        }
+        Ok(())
+    }
+
+    /// Before a change of `ino`'s blocks in the tree (truncate, hole punch,
+    /// preallocation), with the file and writeback locks held: drops the cached folios
+    /// from index `drop_from` on without writing them, writes back the rest, then
+    /// drops the folios from `invalidate_from` on, whose device copy is about to change.
+    fn settle_for_change(&self, ino: u64, drop_from: u64, invalidate_from: u64) -> Result<()> {
+        self.cache.discard(ino, drop_from);
+        self.writeback_locked(ino, u64::MAX)?;
+        self.cache.discard(ino, invalidate_from);
+        Ok(())
+    }
+
+    /// Changes attributes; size changes truncate or extend the file.
+    pub fn setattr(&self, ino: u64, set: &super::SetAttr) -> Result<super::Attr> {
+        let Some(size) = set.size else {
+            return self.with_space(|i| i.setattr(ino, set));
+        };
+        let _f = self.file_lock(ino).write();
+        let _w = self.wb_lock(ino).lock();
+        if self.with(|i| i.check_file(ino)).is_ok() {
+            let fsz = self.cache.folio_size();
+            // Dirty data wholly past the new size is dropped unwritten.
+            self.settle_for_change(ino, size.div_ceil(fsz), size / fsz)?;
+        }
+        self.with_space(|i| i.setattr(ino, set))
+    }
+
+    /// Allocates, or with `punch_hole` deallocates, a range.
+    pub fn fallocate(
+        &self,
+        ino: u64,
+        offset: u64,
+        len: u64,
+        mode: super::FallocMode,
+    ) -> Result<()> {
+        let _f = self.file_lock(ino).write();
+        let _w = self.wb_lock(ino).lock();
+        if self.with(|i| i.check_file(ino)).is_ok() {
+            let from = if mode.punch_hole {
+                offset / self.cache.folio_size()
+            } else {
+                u64::MAX
+            };
+            self.settle_for_change(ino, u64::MAX, from)?;
+        }
+        self.with_space(|i| i.fallocate(ino, offset, len, mode))
+    }
+}
