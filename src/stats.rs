@@ -60,6 +60,8 @@ impl Stats {
             user_read_bytes: g(&self.user_read_bytes),
             dev_read_bytes: g(&self.dev_read_bytes),
             writeback_runs: g(&self.writeback_runs),
+            cache_bytes: 0,
+            cache_dirty_bytes: 0,
             dev_meta_bytes: g(&self.dev_meta_bytes),
             dev_super_bytes: g(&self.dev_super_bytes),
             dev_log_bytes: g(&self.dev_log_bytes),
@@ -93,6 +95,10 @@ pub struct StatsSnapshot {
     pub dev_read_bytes: u64,
     /// See [`Stats::writeback_runs`].
     pub writeback_runs: u64,
+    /// Bytes held by the page cache now (a gauge, filled in by `Fs::stats`).
+    pub cache_bytes: u64,
+    /// Bytes of dirty blocks in the page cache now (a gauge).
+    pub cache_dirty_bytes: u64,
     /// See [`Stats::dev_meta_bytes`].
     pub dev_meta_bytes: u64,
     /// See [`Stats::dev_super_bytes`].
@@ -220,7 +226,7 @@ impl StatsSnapshot {
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{}}},",
-                "\"writeback_runs\":{},\"flushes\":{},",
+                "\"writeback_runs\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
             ),
             self.fsyncs,
@@ -238,6 +244,8 @@ impl StatsSnapshot {
             self.user_read_bytes,
             self.dev_read_bytes,
             self.writeback_runs,
+            self.cache_bytes,
+            self.cache_dirty_bytes,
             self.flushes,
             self.fsync_latency.json(),
             self.commit_latency.json()
@@ -287,6 +295,12 @@ impl StatsSnapshot {
         );
         row(&mut s, "device bytes read", self.dev_read_bytes.to_string());
         row(&mut s, "writeback runs", self.writeback_runs.to_string());
+        row(&mut s, "page cache bytes", self.cache_bytes.to_string());
+        row(
+            &mut s,
+            "page cache dirty",
+            self.cache_dirty_bytes.to_string(),
+        );
         for (name, l) in [
             ("fsync", &self.fsync_latency),
             ("commit", &self.commit_latency),

@@ -7,7 +7,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use birchfs::dev::{CrashDev, MemDev};
-use birchfs::{Creds, Error, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr};
+use birchfs::{
+    CacheOptions, Creds, Error, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags,
+    SetAttr,
+};
 use proptest::prelude::*;
 
 const DIRS: [&str; 3] = ["/", "/x/", "/y/"];
@@ -83,6 +86,7 @@ impl Model {
 struct World {
     dev: Arc<CrashDev>,
     fs: Option<Fs>,
+    opts: Options,
 }
 
 impl World {
@@ -94,9 +98,8 @@ impl World {
     }
     fn reopen(&mut self, image: Vec<u8>) {
         self.dev = Arc::new(CrashDev::new(image));
-        self.fs = Some(
-            Fs::open(self.dev.clone(), Options::default()).expect("mount after remount/crash"),
-        );
+        self.fs =
+            Some(Fs::open(self.dev.clone(), self.opts.clone()).expect("mount after remount/crash"));
     }
 }
 
@@ -309,6 +312,24 @@ fn compare(w: &World, m: &Model) {
 }
 
 fn run(ops: &[Op]) {
+    run_with(ops, Options::default())
+}
+
+/// Options whose page cache holds 16 folios of 16 KiB: the model's files (up to
+/// 370 KB) do not fit, so writes and reads go through eviction and writeback.
+fn tiny_cache(block_dirty: bool) -> Options {
+    Options {
+        cache: CacheOptions {
+            cache_size: 256 << 10,
+            folio_size: 16 << 10,
+            block_dirty,
+            ..CacheOptions::default()
+        },
+        ..Options::default()
+    }
+}
+
+fn run_with(ops: &[Op], opts: Options) {
     let base = Arc::new(MemDev::new(40 << 20));
     Fs::mkfs(
         base.clone(),
@@ -320,13 +341,14 @@ fn run(ops: &[Op]) {
     let mut w = World {
         dev: Arc::new(CrashDev::new(base.image())),
         fs: None,
+        opts,
     };
     w.reopen(w.dev.live_image());
     let mut m = Model::new();
     let mut durable = Model::new();
     for op in ops {
         apply(&mut w, &mut m, &mut durable, op);
-        if matches!(op, Op::Crash | Op::Remount) {
+        if matches!(op, Op::Crash | Op::Remount | Op::Fsync) {
             compare(&w, &m);
         }
     }
@@ -348,6 +370,14 @@ proptest! {
     #[test]
     fn library_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
         run(&ops);
+    }
+
+    #[test]
+    fn library_matches_model_through_a_tiny_cache(
+        ops in proptest::collection::vec(op(), 1..80),
+        block_dirty in any::<bool>(),
+    ) {
+        run_with(&ops, tiny_cache(block_dirty));
     }
 }
 

@@ -242,7 +242,10 @@ impl Fs {
 
     /// Counters of fsyncs, commits and device traffic.
     pub fn stats(&self) -> StatsSnapshot {
-        self.stats.snapshot()
+        let mut s = self.stats.snapshot();
+        s.cache_bytes = self.cache.bytes();
+        s.cache_dirty_bytes = self.cache.dirty_bytes();
+        s
     }
 
     /// Like `with`, for operations that need space: on ENOSPC while a commit could
@@ -676,5 +679,7 @@ impl Inner {
     }
 }
 
+#[cfg(test)]
+mod cache_tests;
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,268 @@
+//! Engine tests of the page cache: per-block dirty tracking, delayed allocation,
+//! bounded memory, writeback triggers, and cached data meeting truncate and unlink.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::dev::MemDev;
+
+const MB: u64 = 1 << 20;
+const BS: u64 = 4096;
+
+fn opts(cache_size: u64, folio_size: u64, block_dirty: bool) -> Options {
+    Options {
+        cache: CacheOptions {
+            cache_size,
+            folio_size,
+            block_dirty,
+            ..CacheOptions::default()
+        },
+        ..Options::default()
+    }
+}
+
+fn mk(size: u64, o: Options) -> (Arc<MemDev>, Fs) {
+    let dev = Arc::new(MemDev::new(size));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    (dev, fs)
+}
+
+fn remount(dev: &Arc<MemDev>, fs: Fs, o: Options) -> Fs {
+    fs.unmount().unwrap();
+    Fs::open(Arc::new(MemDev::from_image(dev.image())), o).unwrap()
+}
+
+fn file(fs: &Fs, name: &[u8]) -> u64 {
+    fs.mknod(ROOT_INO, name, 0o644, 0, Creds::default())
+        .unwrap()
+        .ino
+}
+
+/// Bytes of a pseudo-random pattern, different for each `seed`.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Device data bytes written by `n` 4 KiB overwrites, each fsynced, of a file that
+/// is on the device and not cached.
+fn data_bytes_of_small_overwrites(block_dirty: bool, n: u64) -> u64 {
+    let o = opts(64 * MB, 64 << 10, block_dirty);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    fs.write(ino, 0, &pattern(MB as usize, 1)).unwrap();
+    let fs = remount(&dev, fs, o);
+    let before = fs.stats().dev_data_bytes;
+    for i in 0..n {
+        // One block in every other folio, so no two share a folio.
+        fs.write(ino, i * 128 * 1024 + BS, &[i as u8; BS as usize])
+            .unwrap();
+        fs.fsync(ino, true).unwrap();
+    }
+    fs.stats().dev_data_bytes - before
+}
+
+#[test]
+fn writeback_writes_only_the_dirty_blocks_of_a_folio() {
+    assert_eq!(data_bytes_of_small_overwrites(true, 8), 8 * BS);
+    // Whole-folio tracking writes the 64 KiB folio for every 4 KiB written.
+    assert_eq!(data_bytes_of_small_overwrites(false, 8), 8 * 64 * 1024);
+}
+
+#[test]
+fn a_partial_block_write_reads_only_that_block() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    let data = pattern(MB as usize, 2);
+    fs.write(ino, 0, &data).unwrap();
+    let fs = remount(&dev, fs, o);
+    let before = fs.stats().dev_read_bytes;
+    fs.write(ino, 70_000, b"0123456789").unwrap();
+    assert_eq!(fs.stats().dev_read_bytes - before, BS);
+    // A whole-block write reads nothing.
+    fs.write(ino, 8 * BS, &[7; BS as usize]).unwrap();
+    assert_eq!(fs.stats().dev_read_bytes - before, BS);
+    let mut want = data;
+    want[70_000..70_010].copy_from_slice(b"0123456789");
+    want[8 * BS as usize..9 * BS as usize].fill(7);
+    assert_eq!(fs.read(ino, 0, MB as u32).unwrap(), want);
+}
+
+#[test]
+fn delayed_allocation_makes_large_extents_of_sequential_writes() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (_dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"seq");
+    let data = pattern(8 * MB as usize, 3);
+    for (n, c) in data.chunks(BS as usize).enumerate() {
+        fs.write(ino, n as u64 * BS, c).unwrap();
+    }
+    assert_eq!(
+        fs.extent_map(ino).unwrap(),
+        vec![],
+        "allocated before writeback"
+    );
+    fs.fsync(ino, false).unwrap();
+    let map = fs.extent_map(ino).unwrap();
+    assert_eq!(map.len(), 8, "1 MiB extents: {map:?}");
+    assert!(map.iter().all(|e| e.len == MB));
+    // Random single-block overwrites stay block-sized.
+    for i in [3u64, 17, 40, 101, 250] {
+        fs.write(ino, i * 8 * BS, &[1; BS as usize]).unwrap();
+    }
+    fs.fsync(ino, false).unwrap();
+    let map = fs.extent_map(ino).unwrap();
+    for i in [3u64, 17, 40, 101, 250] {
+        let e = map.iter().find(|e| e.offset == i * 8 * BS).unwrap();
+        assert_eq!(e.len, BS, "{e:?}");
+    }
+    assert_eq!(map.len(), 8 + 5 * 2);
+}
+
+#[test]
+fn the_cache_stays_within_its_size_and_reads_back_what_it_evicted() {
+    let o = opts(MB, 16 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"big");
+    let data = pattern(8 * MB as usize + 1234, 4);
+    let mut off = 0;
+    for len in [1000usize, 5000, 70_000, 4096, 12_345].iter().cycle() {
+        if off >= data.len() {
+            break;
+        }
+        let e = (off + len).min(data.len());
+        fs.write(ino, off as u64, &data[off..e]).unwrap();
+        off = e;
+        assert!(fs.stats().cache_bytes <= MB, "{}", fs.stats().cache_bytes);
+    }
+    for (n, c) in data.chunks(100_000).enumerate() {
+        let got = fs.read(ino, n as u64 * 100_000, 100_000).unwrap();
+        assert_eq!(got, c, "chunk {n}");
+        assert!(fs.stats().cache_bytes <= MB);
+    }
+    let fs = remount(&dev, fs, o);
+    assert_eq!(fs.read(ino, 0, data.len() as u32).unwrap(), data);
+}
+
+#[test]
+fn the_dirty_limit_makes_writers_write_back() {
+    let o = opts(2 * MB, 16 << 10, true);
+    let (_dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"f");
+    for i in 0..64 {
+        fs.write(ino, i * 64 * 1024, &[1; 64 * 1024]).unwrap();
+        assert!(fs.stats().cache_dirty_bytes <= MB + 64 * 1024);
+    }
+    assert!(fs.stats().dev_data_bytes >= 2 * MB);
+}
+
+#[test]
+fn old_dirty_data_is_written_back_by_the_flusher() {
+    let mut o = opts(64 * MB, 64 << 10, true);
+    o.cache.dirty_expire = Duration::from_millis(50);
+    let (_dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"f");
+    fs.write(ino, 0, &[5; 10_000]).unwrap();
+    fs.flush_background(Duration::ZERO).unwrap();
+    assert_eq!(fs.stats().cache_dirty_bytes, 3 * BS, "not old yet");
+    std::thread::sleep(Duration::from_millis(60));
+    fs.flush_background(Duration::ZERO).unwrap();
+    assert_eq!(fs.stats().cache_dirty_bytes, 0);
+    assert_eq!(fs.stats().dev_data_bytes, 3 * BS);
+    assert_eq!(fs.extent_map(ino).unwrap().len(), 1);
+}
+
+#[test]
+fn dirty_blocks_count_in_blocks_and_against_free_space() {
+    let (_dev, fs) = mk(64 * MB, opts(64 * MB, 64 << 10, true));
+    let ino = file(&fs, b"f");
+    let free0 = fs.statfs().bfree;
+    fs.write(ino, 0, &[1; 40_000]).unwrap();
+    assert_eq!(fs.getattr(ino).unwrap().blocks, 10 * 8);
+    assert_eq!(free0 - fs.statfs().bfree, 10);
+    fs.unlink(ROOT_INO, b"f").unwrap();
+    assert_eq!(fs.stats().cache_dirty_bytes, 0);
+    assert_eq!(fs.statfs().bfree, free0);
+    assert_eq!(fs.stats().dev_data_bytes, 0, "deleted data was written");
+}
+
+#[test]
+fn truncate_and_punch_meet_cached_data() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    let mut want = pattern(300_000, 5);
+    fs.write(ino, 0, &want).unwrap();
+    fs.fsync(ino, false).unwrap();
+    fs.write(ino, 100_000, &[9; 150_000]).unwrap(); // dirty, not written back
+    want[100_000..250_000].fill(9);
+    let cut = |n: u64| SetAttr {
+        size: Some(n),
+        ..SetAttr::default()
+    };
+    fs.setattr(ino, &cut(123_457)).unwrap();
+    want.truncate(123_457);
+    fs.setattr(ino, &cut(200_000)).unwrap();
+    want.resize(200_000, 0);
+    assert_eq!(fs.read(ino, 0, 300_000).unwrap(), want);
+    fs.write(ino, 10_000, &[3; 20_000]).unwrap();
+    want[10_000..30_000].fill(3);
+    let punch = FallocMode {
+        keep_size: true,
+        punch_hole: true,
+    };
+    fs.fallocate(ino, 12_000, 9_000, punch).unwrap();
+    want[12_000..21_000].fill(0);
+    assert_eq!(fs.read(ino, 0, 300_000).unwrap(), want);
+    let fs = remount(&dev, fs, o);
+    assert_eq!(fs.read(ino, 0, 300_000).unwrap(), want);
+}
+
+#[test]
+fn sizes_and_times_of_cached_writes_reach_the_tree_with_their_data() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    fs.write(ino, 5000, b"tail").unwrap();
+    let a = fs.getattr(ino).unwrap();
+    assert_eq!(a.size, 5004);
+    // An attribute change in between keeps the cached size.
+    fs.setattr(
+        ino,
+        &SetAttr {
+            mode: Some(0o600),
+            ..SetAttr::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(fs.getattr(ino).unwrap().size, 5004);
+    let fs = remount(&dev, fs, o);
+    let b = fs.getattr(ino).unwrap();
+    assert_eq!((b.size, b.mtime, b.perm), (5004, a.mtime, 0o600));
+    let mut want = vec![0u8; 5004];
+    want[5000..].copy_from_slice(b"tail");
+    assert_eq!(fs.read(ino, 0, 10_000).unwrap(), want);
+}
+
+#[test]
+fn a_failed_writeback_keeps_the_data_dirty_for_the_next_try() {
+    let dev = Arc::new(crate::dev::CrashDev::new(MemDev::new(64 * MB).image()));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let fs = Fs::open(dev.clone(), opts(64 * MB, 64 << 10, true)).unwrap();
+    let ino = file(&fs, b"f");
+    fs.write(ino, 0, &[8; 20_000]).unwrap();
+    dev.fail_after(0);
+    assert!(fs.fsync(ino, false).is_err());
+    assert_eq!(fs.stats().cache_dirty_bytes, 5 * BS);
+    assert_eq!(fs.read(ino, 0, 30_000).unwrap(), vec![8; 20_000]);
+}
