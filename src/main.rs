@@ -251,6 +251,12 @@ fn mount_background(args: &[String]) -> Result<()> {
 }
 
 fn mount(opts: &[String], image: &Path, mountpoint: &Path, ready_fd: Option<i32>) -> Result<()> {
+    // Few malloc arenas: with one per FUSE thread, memory freed by one thread and
+    // wanted by another piles up as slack far beyond cache_size.
+    // SAFETY: mallopt only tunes the allocator; it is called before other threads exist.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
     // SAFETY: the fd was handed to us by the parent for this purpose.
     let mut ready = ready_fd.map(|fd| std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }));
     let r = mount_serve(opts, image, mountpoint, &mut ready);

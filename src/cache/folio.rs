@@ -82,9 +82,16 @@ pub(crate) struct Folio {
 
 impl Folio {
     /// An empty folio of `size` bytes: nothing uptodate, nothing dirty.
+    #[cfg(test)]
     pub(crate) fn new(size: usize) -> Folio {
+        Folio::with_buffer(vec![0u8; size].into_boxed_slice())
+    }
+
+    /// An empty folio over `data`, which must be all zeros.
+    pub(crate) fn with_buffer(data: Box<[u8]>) -> Folio {
+        debug_assert!(data.iter().all(|&b| b == 0));
         Folio {
-            data: vec![0u8; size].into_boxed_slice(),
+            data,
             uptodate: Bitmap::default(),
             dirty: Bitmap::default(),
             dirty_since: None,

@@ -123,6 +123,9 @@ pub(crate) struct PageCache {
     tick: AtomicU64,
     /// Wakes the flusher when dirty data passes the background threshold.
     kick: (Mutex<bool>, Condvar),
+    /// Buffers of evicted folios, reused for new ones: the daemon's memory then stays
+    /// near `cache_size` instead of growing with the allocator's per-thread slack.
+    spare: Mutex<Vec<Box<[u8]>>>,
 }
 
 impl PageCache {
@@ -134,6 +137,33 @@ impl PageCache {
             dirty_bytes: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             kick: (Mutex::new(false), Condvar::new()),
+            spare: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Most spare buffers kept: one eviction pass's worth.
+    fn spare_cap(&self) -> usize {
+        ((self.opts.cache_size / self.opts.folio_size / 8) as usize).max(4)
+    }
+
+    /// A zeroed folio buffer, reused when one is spare.
+    fn buffer(&self) -> Box<[u8]> {
+        match self.spare.lock().pop() {
+            Some(mut b) => {
+                b.fill(0);
+                b
+            }
+            None => vec![0u8; self.opts.folio_size as usize].into_boxed_slice(),
+        }
+    }
+
+    /// Keeps the buffer of a folio that left the cache, if nobody else holds it.
+    fn recycle(&self, f: Arc<CachedFolio>) {
+        if let Ok(f) = Arc::try_unwrap(f) {
+            let mut spare = self.spare.lock();
+            if spare.len() < self.spare_cap() {
+                spare.push(f.folio.into_inner().data);
+            }
         }
     }
 
@@ -232,7 +262,7 @@ impl PageCache {
                     self.bytes
                         .fetch_add(self.opts.folio_size, Ordering::Relaxed);
                     Arc::new(CachedFolio {
-                        folio: Mutex::new(Folio::new(self.opts.folio_size as usize)),
+                        folio: Mutex::new(Folio::with_buffer(self.buffer())),
                         last_used: AtomicU64::new(0),
                     })
                 })
@@ -305,6 +335,7 @@ impl PageCache {
                 self.sub_dirty_locked(&mut st, ino, n);
                 self.bytes
                     .fetch_sub(self.opts.folio_size, Ordering::Relaxed);
+                self.recycle(f);
             }
         }
         if from == 0 {
@@ -335,7 +366,9 @@ impl PageCache {
             if self.bytes() <= target {
                 break;
             }
-            st.folios.remove(&k);
+            if let Some(f) = st.folios.remove(&k) {
+                self.recycle(f);
+            }
             self.bytes
                 .fetch_sub(self.opts.folio_size, Ordering::Relaxed);
         }

@@ -25,7 +25,7 @@ use crate::stats::Stats;
 const BS: u64 = BLOCK_SIZE;
 
 /// Most dirty bytes one writeback pass takes from the cache before writing them.
-const WB_CHUNK: u64 = 32 << 20;
+const WB_CHUNK: u64 = 8 << 20;
 
 /// Contiguous dirty blocks taken from the cache, with where they came from.
 struct DirtyRun {

@@ -1,0 +1,178 @@
+//! The page cache through a real FUSE mount: bounded daemon memory with a file much
+//! larger than the cache, the kernel writeback cache's rules (write-only opens,
+//! O_APPEND), and the cache's mount options.
+
+mod common;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+
+use common::*;
+
+const MIB: usize = 1 << 20;
+
+/// Peak and current resident set of a process, in bytes (VmHWM, VmRSS).
+fn rss(pid: u32) -> (u64, u64) {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+/// One MiB of the test file: a fixed random-looking base with the chunk number
+/// stamped into every 4 KiB block, so a misplaced block is caught.
+fn chunk(base: &[u8], i: u64, out: &mut [u8]) {
+    out.copy_from_slice(base);
+    for b in out.chunks_mut(4096) {
+        b[..8].copy_from_slice(&i.to_le_bytes());
+    }
+}
+
+fn drop_kernel_caches() {
+    // Only root may; without it the reads may come from the kernel's cache, which
+    // still checks the content but not the daemon's read path.
+    let _ = fs::write("/proc/sys/vm/drop_caches", "3");
+}
+
+#[test]
+fn a_3gib_file_through_a_256mib_cache_keeps_the_daemon_within_bounds() {
+    const CHUNKS: u64 = 3 * 1024;
+    // The cache plus the daemon's fixed overhead: trees, FUSE buffers, a writeback
+    // pass's copy (8 MiB), allocator slack.
+    const BOUND: u64 = (256 + 160) << 20;
+    let mut m = Mount::with_size_and_options("5G", &["cache_size=256M"]);
+    let pid = *processes_naming(m.image()).first().expect("daemon pid");
+    let base: Vec<u8> = (0..MIB as u64)
+        .map(|i| (i.wrapping_mul(0x9e37_79b9) >> 13) as u8)
+        .collect();
+    let mut buf = vec![0u8; MIB];
+    let p = m.path("big");
+    {
+        let mut f = File::create(&p).unwrap();
+        for i in 0..CHUNKS {
+            chunk(&base, i, &mut buf);
+            f.write_all(&buf).unwrap();
+            if i % 256 == 0 {
+                let (_, now) = rss(pid);
+                assert!(now < BOUND, "RSS {} MiB while writing", now >> 20);
+            }
+        }
+        f.sync_all().unwrap();
+    }
+    drop_kernel_caches();
+    let mut f = File::open(&p).unwrap();
+    let mut want = vec![0u8; MIB];
+    for i in 0..CHUNKS {
+        f.read_exact(&mut buf).unwrap();
+        chunk(&base, i, &mut want);
+        assert!(buf == want, "chunk {i} differs");
+    }
+    let (peak, _) = rss(pid);
+    assert!(
+        peak < BOUND,
+        "daemon peak RSS {} MiB with cache_size=256M",
+        peak >> 20
+    );
+    drop(f);
+    let stats = birchfs(["stats", "--json", m.root().to_str().unwrap()]);
+    let json = String::from_utf8_lossy(&stats.stdout).to_string();
+    assert!(json.contains("\"cache\":{\"bytes\":"), "{json}");
+    m.unmount();
+    eprintln!("peak RSS {} MiB", peak >> 20);
+}
+
+#[test]
+fn a_write_only_open_can_write_partial_pages() {
+    let mut m = Mount::new();
+    let p = m.path("f");
+    fs::write(&p, vec![b'a'; 10_000]).unwrap();
+    m.remount();
+    {
+        // The kernel reads the rest of each page it caches, although the file is
+        // open for writing only.
+        let f = OpenOptions::new().write(true).open(&p).unwrap();
+        f.write_all_at(b"XYZ", 4095).unwrap();
+        f.write_all_at(b"end", 9_999).unwrap();
+        f.sync_all().unwrap();
+    }
+    let mut want = vec![b'a'; 10_002];
+    want[4095..4098].copy_from_slice(b"XYZ");
+    want[9_999..].copy_from_slice(b"end");
+    assert_eq!(fs::read(&p).unwrap(), want);
+    m.remount();
+    assert_eq!(fs::read(&p).unwrap(), want);
+    m.unmount();
+}
+
+#[test]
+fn appends_from_two_descriptors_interleave_without_loss() {
+    let mut m = Mount::new();
+    let p = m.path("log");
+    let open = |p: &Path| {
+        OpenOptions::new()
+            .append(true)
+            .create(true)
+            .custom_flags(0)
+            .open(p)
+            .unwrap()
+    };
+    let mut a = open(&p);
+    let mut b = open(&p);
+    for i in 0..200 {
+        let (f, tag) = if i % 2 == 0 {
+            (&mut a, 'a')
+        } else {
+            (&mut b, 'b')
+        };
+        f.write_all(format!("{tag}{i:05}\n").as_bytes()).unwrap();
+    }
+    a.sync_all().unwrap();
+    drop((a, b));
+    m.remount();
+    let mut s = String::new();
+    File::open(&p).unwrap().read_to_string(&mut s).unwrap();
+    let lines: Vec<&str> = s.lines().collect();
+    assert_eq!(lines.len(), 200);
+    for (i, l) in lines.iter().enumerate() {
+        let tag = if i % 2 == 0 { 'a' } else { 'b' };
+        assert_eq!(*l, format!("{tag}{i:05}"));
+    }
+    m.unmount();
+}
+
+#[test]
+fn cache_mount_options_are_checked() {
+    let mut m = Mount::unmounted("1G");
+    for (opt, says) in [
+        ("folio_size=3K", "folio_size"),
+        ("folio_size=2M", "folio_size"),
+        ("cache_size=64K", "cache_size"),
+        ("cache_size=lots", "cache_size"),
+        ("block_dirty=maybe", "unknown mount option"),
+    ] {
+        let out = m.try_mount(&[opt]);
+        assert!(!out.status.success(), "{opt} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{opt}: {err}");
+        assert!(!m.is_mounted());
+    }
+    m.mount_with(&[
+        "cache_size=64M",
+        "folio_size=16K",
+        "dirty_expire=5",
+        "block_dirty=off",
+    ]);
+    let p = m.path("f");
+    fs::write(&p, b"hello").unwrap();
+    m.remount();
+    assert_eq!(fs::read(&p).unwrap(), b"hello");
+    m.unmount();
+}
