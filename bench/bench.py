@@ -12,6 +12,8 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
   xfs           kernel XFS (mkfs defaults), on a loop device             loop sectors
   birchfs-loop  birchfs through FUSE on a loop device (the fair row)     daemon stats
   birchfs-file  birchfs through FUSE on a plain image file (usual use)   daemon stats
+  birchfs-folio birchfs-file mounted -o block_dirty=off (whole-folio      daemon stats
+                dirty tracking; W3 only, the seed-5 comparison)
   raw           a directory of the host filesystem, no loop (the limit)  none
   fuse-floor    libfuse's passthrough_ll example (-o writeback, like     loop sectors
                 birchfs) over ext4 on a loop device (the FUSE floor)      (of the ext4)
@@ -26,6 +28,9 @@ Workloads (fio job templates in bench/jobs/, sizes from the profile below):
   W2  seed 2: randwrite, bssplit 4k..1m, fsync=8, psync, thread, 4 jobs, time-based
   W3  seed 5: randwrite bs=4k overwrite=1 pre_read=1 fdatasync=1 psync, 4 jobs,
       time-based; write amplification = device bytes written / bytes fio wrote
+  W5  sequential: one file of W5_SIZE written in 1 MiB writes + fsync; and read
+      back after a remount (every target is unmounted and mounted again, so no
+      cache of the filesystem's own survives) and drop_caches
   W4  seeds 3, 4: fs_mark-style creates of empty files (target/release/fsmark,
       src/bin/fsmark.rs): D directories x F files with an fsync per file, and a
       no-fsync run of 2 threads x N files each
@@ -100,6 +105,7 @@ PROFILES = {
         "w4_fsync": [[4, 1000], [64, 256], [64, 1024]],
         "w4_nofsync": {"threads": 2, "files_per_thread": 100000, "dirs": 2},
         "w4_cap_s": 240,
+        "w5_size": "4G",
     },
     "quick": {
         "out": "bench/results/quick",
@@ -116,12 +122,16 @@ PROFILES = {
         "w4_fsync": [[2, 100], [8, 64], [8, 128]],
         "w4_nofsync": {"threads": 2, "files_per_thread": 5000, "dirs": 2},
         "w4_cap_s": 60,
+        "w5_size": "256M",
     },
 }
 
-TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "raw", "fuse-floor"]
+TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "birchfs-folio", "raw",
+           "fuse-floor"]
 KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
-BIRCH = ["birchfs-loop", "birchfs-file"]
+BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio"]
+# Targets that run only for some workloads.
+ONLY_FOR = {"birchfs-folio": {"W3"}}
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -129,6 +139,7 @@ LABELS = {
     "xfs": "XFS",
     "birchfs-loop": "birchfs (loop)",
     "birchfs-file": "birchfs (file)",
+    "birchfs-folio": "birchfs (file) block_dirty=off",
     "raw": "raw host dir",
     "fuse-floor": "FUSE floor",
 }
@@ -139,6 +150,7 @@ COLORS = {
     "xfs": "#9467bd",
     "birchfs-loop": "#d62728",
     "birchfs-file": "#ff9896",
+    "birchfs-folio": "#8c564b",
     "raw": "#7f7f7f",
     "fuse-floor": "#bcbd22",
 }
@@ -375,7 +387,7 @@ class Target:
             d.mkdir(parents=True)
             return d
         self.fresh_image()
-        if n == "birchfs-file":
+        if n in ("birchfs-file", "birchfs-folio"):
             run([BIRCHFS, "mkfs", "--size", self.image_size, self.img])
             self.birch_mount(self.img)
             return self.mp
@@ -412,9 +424,31 @@ class Target:
 
     def birch_mount(self, image):
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        run([BIRCHFS, "mount", "--log", self.log, image, self.mp], timeout=60)
+        opts = ["-o", "block_dirty=off"] if self.name == "birchfs-folio" else []
+        run([BIRCHFS, "mount", "--log", self.log] + opts + [image, self.mp], timeout=60)
         if not is_mounted(self.mp):
             raise RunError(f"birchfs did not mount on {self.mp} (see {self.log})")
+
+    def birch_unmount(self):
+        unmount(self.mp)
+        mp = str(self.mp)
+        if not wait_for(lambda: not pids_with_arg(mp, {"birchfs"}), 120, 0.1):
+            log(f"warning: birchfs daemon for {mp} did not exit; terminating it")
+            for pid in pids_with_arg(mp, {"birchfs"}):
+                os.kill(pid, signal.SIGTERM)
+            wait_for(lambda: not pids_with_arg(mp, {"birchfs"}), 10, 0.1)
+
+    def remount(self):
+        """Unmounts and mounts the same filesystem again, so no cache of its own
+        survives (raw and the FUSE floor have none beyond the kernel's)."""
+        n = self.name
+        if n in BIRCH:
+            self.birch_unmount()
+            self.birch_mount(self.dev or self.img)
+        elif n in KERNEL:
+            unmount(self.mp)
+            opts = ["-o", "ssd"] if n == "btrfs" else []
+            run(["mount"] + opts + [self.dev, self.mp])
 
     def counters(self):
         """Device-level counters: loop sectors written and, for birchfs, its stats."""
@@ -433,13 +467,7 @@ class Target:
                 shutil.rmtree(d, ignore_errors=True)
             return
         if n in BIRCH:
-            unmount(self.mp)
-            mp = str(self.mp)
-            if not wait_for(lambda: not pids_with_arg(mp, {"birchfs"}), 120, 0.1):
-                log(f"warning: birchfs daemon for {mp} did not exit; terminating it")
-                for pid in pids_with_arg(mp, {"birchfs"}):
-                    os.kill(pid, signal.SIGTERM)
-                wait_for(lambda: not pids_with_arg(mp, {"birchfs"}), 10, 0.1)
+            self.birch_unmount()
         elif n == "fuse-floor":
             unmount(self.mp, fuse=True)
             if self.proc:
@@ -595,6 +623,13 @@ def variants(prof, only=None):
               "env": {"BENCH_SIZE": prof["w3_size"], "BENCH_NUMJOBS": "4",
                       "BENCH_RUNTIME": str(prof["w3_runtime"])},
               "layout": True, "timeout": prof["w3_runtime"] + 600})
+    for rw in ("write", "read"):
+        v.append({"id": f"W5-{rw}", "workload": "W5", "kind": "fio", "job": "w5.fio",
+                  "label": f"W5 sequential {rw}, 1 MiB x {prof['w5_size']}"
+                           + (" + fsync" if rw == "write" else ", after remount"),
+                  "env": {"BENCH_SIZE": prof["w5_size"], "BENCH_RW": rw},
+                  "rw": rw, "layout": rw == "read", "remount": rw == "read",
+                  "timeout": 1800})
     t = prof["w4_fsync_threads"]
     for d, f in prof["w4_fsync"]:
         v.append({"id": f"W4-{d}x{f}", "workload": "W4", "kind": "fsmark",
@@ -632,6 +667,9 @@ def run_fio(v, tgt, mp, work):
     if v["layout"]:
         run(["fio", "--output-format=json", f"--output={out}", job],
             env=dict(env, BENCH_CREATE_ONLY="1"), timeout=v["timeout"])
+    if v.get("remount"):
+        run(["sync", "-f", str(d)], check=False, timeout=600)
+        tgt.remount()
     drop_caches()
     before = tgt.counters()
     load0 = os.getloadavg()[0]
@@ -642,7 +680,7 @@ def run_fio(v, tgt, mp, work):
     after = tgt.counters()
     fj = json.loads(out.read_text())
     j = fj["jobs"][0]
-    w = j["write"]
+    w = j[v.get("rw", "write")]
     sync_lat = j.get("sync", {}).get("lat_ns", {})
     m = {
         "mib_s": w["bw_bytes"] / MiB,
@@ -1370,12 +1408,15 @@ def main():
         build_passthrough(work)
         res["machine"] = machine_facts(work)
         res["machine"]["binaries"] = bins
-        total = len(vs) * prof["reps"] * len(targets)
+        total = prof["reps"] * sum(1 for v in vs for t in targets
+                                   if t not in ONLY_FOR or v["workload"] in ONLY_FOR[t])
         log(f"profile {a.profile}: {len(vs)} variants x {prof['reps']} reps x {len(targets)} targets = {total} runs")
         i = 0
         for v in vs:
             for rep in range(1, prof["reps"] + 1):
                 for tname in targets:
+                    if tname in ONLY_FOR and v["workload"] not in ONLY_FOR[tname]:
+                        continue
                     i += 1
                     tgt = Target(tname, work, prof["image_size"])
                     rec = {"variant": v["id"], "workload": v["workload"], "target": tname, "rep": rep}
@@ -1436,7 +1477,7 @@ def main():
         # Complete when every variant x repetition x target has a finished (or skipped) run.
         have = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if r.get("ok") or r.get("skipped")}
         want = {(v["id"], rep, t) for v in old["variants"] for rep in range(1, old["profile"]["reps"] + 1)
-                for t in old["targets"]}
+                for t in old["targets"] if t not in ONLY_FOR or v["workload"] in ONLY_FOR[t]}
         failed_ok = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if "error" in r}
         old["complete"] = res["complete"] and want <= (have | failed_ok)
         # An interrupted base run has no wall time of its own: use the sum of its runs.

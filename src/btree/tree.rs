@@ -184,7 +184,7 @@ pub(crate) fn insert<S: NodeStore>(
     val: Vec<u8>,
 ) -> Result<()> {
     let top = load_root(s, root)?;
-    let (addr, split) = insert_rec(s, &top, key, val)?;
+    let (addr, split) = insert_rec(s, top, key, val)?;
     root.addr = addr;
     if let Some((skey, saddr, sgen)) = split {
         let left = s.read_node(addr)?;
@@ -201,32 +201,44 @@ pub(crate) fn insert<S: NodeStore>(
 
 type Split = Option<(Key, u64, u64)>;
 
+/// Takes `node` by value and lets go of it before changing the node in place: a
+/// node already written in this transaction is changed without a copy only when
+/// nobody else holds it (`Arc::make_mut`).
 fn insert_rec<S: NodeStore>(
     s: &mut S,
-    node: &Node,
+    node: Arc<Node>,
     key: Key,
     val: Vec<u8>,
 ) -> Result<(u64, Split)> {
-    let addr = s.cow_node(node.hdr.addr)?;
-    if node.hdr.level == 0 {
-        let items = s.node_mut(addr).items_mut();
-        match items.binary_search_by(|(k, _)| k.cmp(&key)) {
-            Ok(i) => items[i].1 = val,
-            Err(i) => items.insert(i, (key, val)),
-        }
+    let child = if node.hdr.level == 0 {
+        None
     } else {
         let i = node.child_index(&key);
-        let child = load_child(s, node, i)?;
-        let (caddr, split) = insert_rec(s, &child, key, val)?;
-        let cgen = s.read_node(caddr)?.hdr.generation;
-        let p = s.node_mut(addr).ptrs_mut();
-        p[i].1 = caddr;
-        p[i].2 = cgen;
-        if key < p[i].0 {
-            p[i].0 = key;
+        Some((i, load_child(s, &node, i)?))
+    };
+    let naddr = node.hdr.addr;
+    drop(node);
+    let addr = s.cow_node(naddr)?;
+    match child {
+        None => {
+            let items = s.node_mut(addr).items_mut();
+            match items.binary_search_by(|(k, _)| k.cmp(&key)) {
+                Ok(i) => items[i].1 = val,
+                Err(i) => items.insert(i, (key, val)),
+            }
         }
-        if let Some(sp) = split {
-            p.insert(i + 1, sp);
+        Some((i, child)) => {
+            let (caddr, split) = insert_rec(s, child, key, val)?;
+            let cgen = s.read_node(caddr)?.hdr.generation;
+            let p = s.node_mut(addr).ptrs_mut();
+            p[i].1 = caddr;
+            p[i].2 = cgen;
+            if key < p[i].0 {
+                p[i].0 = key;
+            }
+            if let Some(sp) = split {
+                p.insert(i + 1, sp);
+            }
         }
     }
     let split = if s.node_mut(addr).encoded_size() > s.node_size() {
@@ -285,7 +297,7 @@ pub(crate) fn delete<S: NodeStore>(s: &mut S, root: &mut Root, key: &Key) -> Res
         return Ok(false);
     }
     let top = load_root(s, root)?;
-    root.addr = delete_rec(s, &top, key)?;
+    root.addr = delete_rec(s, top, key)?;
     loop {
         let n = s.read_node(root.addr)?;
         if n.hdr.level > 0 && n.len() == 1 {
@@ -300,9 +312,12 @@ pub(crate) fn delete<S: NodeStore>(s: &mut S, root: &mut Root, key: &Key) -> Res
     Ok(true)
 }
 
-fn delete_rec<S: NodeStore>(s: &mut S, node: &Node, key: &Key) -> Result<u64> {
-    let addr = s.cow_node(node.hdr.addr)?;
+/// Takes `node` by value for the same reason as `insert_rec`.
+fn delete_rec<S: NodeStore>(s: &mut S, node: Arc<Node>, key: &Key) -> Result<u64> {
+    let naddr = node.hdr.addr;
     if node.hdr.level == 0 {
+        drop(node);
+        let addr = s.cow_node(naddr)?;
         let items = s.node_mut(addr).items_mut();
         if let Ok(i) = items.binary_search_by(|(k, _)| k.cmp(key)) {
             items.remove(i);
@@ -310,17 +325,19 @@ fn delete_rec<S: NodeStore>(s: &mut S, node: &Node, key: &Key) -> Result<u64> {
         return Ok(addr);
     }
     let i = node.child_index(key);
-    let child = load_child(s, node, i)?;
-    let caddr = delete_rec(s, &child, key)?;
+    let child = load_child(s, &node, i)?;
+    drop(node);
+    let addr = s.cow_node(naddr)?;
+    let caddr = delete_rec(s, child, key)?;
     let cgen = s.read_node(caddr)?.hdr.generation;
     {
         let p = s.node_mut(addr).ptrs_mut();
         p[i].1 = caddr;
         p[i].2 = cgen;
     }
-    let c = s.read_node(caddr)?;
+    let small = s.read_node(caddr)?.encoded_size() < s.node_size() / 4;
     let nchildren = s.node_mut(addr).len();
-    if c.encoded_size() < s.node_size() / 4 && nchildren > 1 {
+    if small && nchildren > 1 {
         let j = if i > 0 { i - 1 } else { i + 1 };
         rebalance(s, addr, i.min(j))?;
     }
@@ -333,10 +350,13 @@ fn rebalance<S: NodeStore>(s: &mut S, addr: u64, li: usize) -> Result<()> {
     let parent = s.read_node(addr)?;
     let ln = load_child(s, &parent, li)?;
     let rn = load_child(s, &parent, li + 1)?;
-    let la = s.cow_node(ln.hdr.addr)?;
-    let ra = s.cow_node(rn.hdr.addr)?;
-    let node_size = s.node_size();
+    drop(parent);
+    let (lorig, rorig) = (ln.hdr.addr, rn.hdr.addr);
     let combined = ln.encoded_size() + rn.encoded_size() - NODE_HEADER_SIZE;
+    drop((ln, rn));
+    let la = s.cow_node(lorig)?;
+    let ra = s.cow_node(rorig)?;
+    let node_size = s.node_size();
     let rbody = std::mem::replace(&mut s.node_mut(ra).body, NodeBody::Leaf(Vec::new()));
     let l = s.node_mut(la);
     match (&mut l.body, rbody) {

@@ -11,7 +11,7 @@
 //! Dirty bytes double as the delayed-allocation reservation: a write is refused with
 //! ENOSPC when the free space could not hold every dirty block once more.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -104,11 +104,23 @@ struct Readahead {
     window: u64,
 }
 
+/// The dirty state of one inode.
+#[derive(Debug)]
+struct DirtyInode {
+    /// When it became dirty (for `dirty_expire`).
+    since: Instant,
+    /// Dirty blocks.
+    blocks: u64,
+    /// Folios that may hold dirty blocks; a folio dirtied again after writeback
+    /// took it comes back in.
+    folios: BTreeSet<u64>,
+}
+
 #[derive(Default)]
 struct State {
     folios: BTreeMap<(u64, u64), Arc<CachedFolio>>,
-    /// Inodes with dirty folios: since when, and how many dirty blocks.
-    dirty_inos: HashMap<u64, (Instant, u64)>,
+    /// Inodes with dirty blocks (or a writeback that took them and may fail).
+    dirty_inos: HashMap<u64, DirtyInode>,
     readahead: HashMap<u64, Readahead>,
 }
 
@@ -200,21 +212,44 @@ impl PageCache {
         self.opts.cache_size / 8
     }
 
-    /// Counts `blocks` of `ino` newly dirtied (after marking them in their folio).
-    /// A writer marks its folio dirty before this, so either `settle` sees the dirty
-    /// bit or this call comes after it.
-    pub(crate) fn add_dirty(&self, ino: u64, blocks: usize) {
+    /// Counts `blocks` of folio `idx` of `ino` newly dirtied (after marking them in
+    /// the folio, so a writeback that took the folio earlier either copies them or
+    /// the folio is listed again here).
+    pub(crate) fn add_dirty(&self, ino: u64, idx: u64, blocks: usize) {
         self.dirty_bytes
             .fetch_add(blocks as u64 * BS, Ordering::Relaxed);
-        self.state
-            .lock()
-            .dirty_inos
-            .entry(ino)
-            .or_insert_with(|| (Instant::now(), 0))
-            .1 += blocks as u64;
+        let mut st = self.state.lock();
+        let d = st.dirty_inos.entry(ino).or_insert_with(|| DirtyInode {
+            since: Instant::now(),
+            blocks: 0,
+            folios: BTreeSet::new(),
+        });
+        d.blocks += blocks as u64;
+        d.folios.insert(idx);
+        drop(st);
         if self.dirty_bytes() > self.background_limit() {
             self.wake_flusher();
         }
+    }
+
+    /// Takes up to `max` folios of `ino` that may be dirty, in file order, for
+    /// writeback (which then counts what it copies with `sub_dirty`).
+    pub(crate) fn take_dirty(&self, ino: u64, max: usize) -> Vec<(u64, Arc<CachedFolio>)> {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let Some(d) = st.dirty_inos.get_mut(&ino) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(idx) = d.folios.pop_first() else {
+                break;
+            };
+            if let Some(f) = st.folios.get(&(ino, idx)) {
+                out.push((idx, f.clone()));
+            }
+        }
+        out
     }
 
     /// Counts `blocks` of `ino` no longer dirty.
@@ -230,13 +265,31 @@ impl PageCache {
                 Some(d.saturating_sub(n))
             });
         if let Some(d) = st.dirty_inos.get_mut(&ino) {
-            d.1 = d.1.saturating_sub(blocks as u64);
+            d.blocks = d.blocks.saturating_sub(blocks as u64);
+        }
+    }
+
+    /// Forgets `ino` as dirty when nothing of it is (after a writeback finished, under
+    /// the inode's writeback lock, so no other writeback of it is in flight).
+    pub(crate) fn settle(&self, ino: u64) {
+        let mut st = self.state.lock();
+        if let Some(d) = st.dirty_inos.get(&ino) {
+            if d.folios.is_empty() {
+                // A count left over belongs to a folio dropped while a writer held it.
+                let left = d.blocks;
+                st.dirty_inos.remove(&ino);
+                self.sub_dirty_locked(&mut st, ino, left as usize);
+            }
         }
     }
 
     /// Dirty blocks of `ino`.
     pub(crate) fn dirty_blocks_of(&self, ino: u64) -> u64 {
-        self.state.lock().dirty_inos.get(&ino).map_or(0, |d| d.1)
+        self.state
+            .lock()
+            .dirty_inos
+            .get(&ino)
+            .map_or(0, |d| d.blocks)
     }
 
     fn touch(&self, f: &CachedFolio) {
@@ -273,6 +326,7 @@ impl PageCache {
     }
 
     /// The cached folios of `ino` with index in `[from, to)`, in order.
+    #[cfg(test)]
     pub(crate) fn folios_of(&self, ino: u64, from: u64, to: u64) -> Vec<(u64, Arc<CachedFolio>)> {
         if from >= to {
             return Vec::new();
@@ -297,25 +351,10 @@ impl PageCache {
             .lock()
             .dirty_inos
             .iter()
-            .map(|(&i, &(t, _))| (i, t))
+            .map(|(&i, d)| (i, d.since))
             .collect();
         v.sort_by_key(|&(i, t)| (t, i));
         v
-    }
-
-    /// Forgets `ino` as dirty if none of its folios is (after a writeback).
-    pub(crate) fn settle(&self, ino: u64) {
-        let mut st = self.state.lock();
-        let dirty = st
-            .folios
-            .range((ino, 0)..(ino, u64::MAX))
-            .any(|(_, f)| f.folio.lock().dirty.any());
-        if !dirty {
-            // A count left over belongs to a folio dropped while a writer held it.
-            if let Some((_, left)) = st.dirty_inos.remove(&ino) {
-                self.sub_dirty_locked(&mut st, ino, left as usize);
-            }
-        }
     }
 
     /// Drops the folios of `ino` from index `from` on, dirty or not (truncate, delete).
@@ -333,6 +372,9 @@ impl PageCache {
                 g.clear_dirty(0, MAX_BLOCKS);
                 drop(g);
                 self.sub_dirty_locked(&mut st, ino, n);
+                if let Some(d) = st.dirty_inos.get_mut(&ino) {
+                    d.folios.remove(&k.1);
+                }
                 self.bytes
                     .fetch_sub(self.opts.folio_size, Ordering::Relaxed);
                 self.recycle(f);
@@ -488,7 +530,7 @@ mod tests {
             g.uptodate.set_range(0, 2);
             let n = g.mark_dirty(0, 2);
             drop(g);
-            c.add_dirty(5, n);
+            c.add_dirty(5, i, n);
         }
         assert_eq!(c.dirty_bytes(), 6 * BS);
         assert_eq!(c.dirty_blocks_of(5), 6);
@@ -498,12 +540,15 @@ mod tests {
         assert!(c.has_dirty(5));
         c.settle(5);
         assert!(c.has_dirty(5), "folio 0 is still dirty");
+        let taken = c.take_dirty(5, 10);
+        assert_eq!(taken.len(), 1);
+        assert_eq!(taken[0].0, 0);
         {
-            let f = c.get(5, 0).unwrap();
-            let mut g = f.folio.lock();
+            let mut g = taken[0].1.folio.lock();
             g.clear_dirty(0, 2);
             c.sub_dirty(5, 2);
         }
+        assert!(c.take_dirty(5, 10).is_empty());
         c.settle(5);
         assert!(!c.has_dirty(5));
         assert_eq!(c.dirty_bytes(), 0);

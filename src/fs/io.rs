@@ -31,7 +31,8 @@ const WB_CHUNK: u64 = 8 << 20;
 struct DirtyRun {
     off: u64,
     buf: Vec<u8>,
-    parts: Vec<(Arc<CachedFolio>, usize, usize)>,
+    /// (folio, its index, first block, end block)
+    parts: Vec<(Arc<CachedFolio>, u64, usize, usize)>,
 }
 
 /// Blocks of one folio a read must fetch from the device: `[a, b)`.
@@ -169,7 +170,7 @@ impl Fs {
         g.uptodate.set_range(da, db);
         let newly = g.mark_dirty(da, db);
         drop(g);
-        cache.add_dirty(ino, newly);
+        cache.add_dirty(ino, idx, newly);
         Ok(())
     }
 
@@ -304,11 +305,14 @@ impl Fs {
 
     /// Writes back up to about `max` bytes of the dirty blocks of `ino` (all of them
     /// with `u64::MAX`); returns the bytes written.
+    ///
+    /// The writeback lock is taken before looking: a writeback of `ino` in flight
+    /// elsewhere has taken its blocks from the cache, and an fsync must wait for it.
     pub(crate) fn writeback(&self, ino: u64, max: u64) -> Result<u64> {
+        let _w = self.wb_lock(ino).lock();
         if !self.cache.has_dirty(ino) {
             return Ok(0);
         }
-        let _w = self.wb_lock(ino).lock();
         self.writeback_locked(ino, max)
     }
 
@@ -321,10 +325,12 @@ impl Fs {
         while done < max {
             let mut runs: Vec<DirtyRun> = Vec::new();
             let mut taken = 0u64;
-            for (idx, f) in cache.folios_of(ino, 0, u64::MAX) {
-                if taken >= WB_CHUNK.min(max - done) {
-                    break;
-                }
+            let want = (WB_CHUNK.min(max - done) / fsz).max(1) as usize;
+            let folios = cache.take_dirty(ino, want);
+            if folios.is_empty() {
+                break;
+            }
+            for (idx, f) in folios {
                 let mut g = f.folio.lock();
                 let dirty = g.dirty.runs(nb);
                 if dirty.is_empty() {
@@ -336,12 +342,12 @@ impl Fs {
                     match runs.last_mut() {
                         Some(r) if r.off + r.buf.len() as u64 == off => {
                             r.buf.extend_from_slice(bytes);
-                            r.parts.push((f.clone(), a, b));
+                            r.parts.push((f.clone(), idx, a, b));
                         }
                         _ => runs.push(DirtyRun {
                             off,
                             buf: bytes.to_vec(),
-                            parts: vec![(f.clone(), a, b)],
+                            parts: vec![(f.clone(), idx, a, b)],
                         }),
                     }
                     taken += bytes.len() as u64;
@@ -352,14 +358,14 @@ impl Fs {
                 cache.sub_dirty(ino, n);
             }
             if runs.is_empty() {
-                break;
+                continue;
             }
             if let Err(e) = self.write_runs(ino, &runs) {
                 // The blocks are dirty again, so a later writeback (or fsync) retries.
                 for r in &runs {
-                    for (f, a, b) in &r.parts {
+                    for (f, idx, a, b) in &r.parts {
                         let n = f.folio.lock().mark_dirty(*a, *b);
-                        cache.add_dirty(ino, n);
+                        cache.add_dirty(ino, *idx, n);
                     }
                 }
                 return Err(e);
