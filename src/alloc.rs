@@ -21,7 +21,10 @@ pub(crate) struct Allocator {
     free_bytes: u64,
     pinned_bytes: u64,
     reserve: u64,
+    /// Where the next search starts.
     cursor: u64,
+    /// The lowest address it manages.
+    start: u64,
 }
 
 impl Allocator {
@@ -34,6 +37,7 @@ impl Allocator {
             pinned_bytes: 0,
             reserve,
             cursor: start,
+            start,
         };
         a.add_free(start, end - start);
         for &(s, l) in holes {
@@ -157,11 +161,17 @@ impl Allocator {
     }
 
     /// Returns extents whose freeing commit is durable.
+    ///
+    /// The next allocation starts looking from the bottom again: space freed by
+    /// copy-on-write is reused soon, so the device's used span stays compact (a
+    /// sparse image file or a thin device does not grow on every overwrite), while
+    /// allocations within one generation still go forward, next to each other.
     pub(crate) fn unpin(&mut self, list: Vec<(u64, u64)>) {
         for (s, l) in list {
             self.pinned_bytes -= l;
             self.add_free(s, l);
         }
+        self.cursor = self.start;
     }
 }
 

@@ -36,36 +36,63 @@ type PendingFsync = (u64, ReplyEmpty, std::time::Instant);
 /// Adapts a [`Fs`] to fuser's `Filesystem` trait.
 pub struct FuseFs {
     fs: Arc<Fs>,
-    syncer: std::sync::mpsc::Sender<PendingFsync>,
+    fsyncs: Arc<FsyncQueue>,
 }
 
 impl FuseFs {
     /// Serves `fs` through FUSE.
     pub fn new(fs: Arc<Fs>) -> FuseFs {
-        let (tx, rx) = std::sync::mpsc::channel::<PendingFsync>();
-        let f = fs.clone();
-        std::thread::Builder::new()
-            .name("fsync".into())
-            .spawn(move || syncer(f, rx))
-            .expect("spawn the fsync thread");
-        FuseFs { fs, syncer: tx }
+        FuseFs {
+            fs,
+            fsyncs: Arc::new(FsyncQueue::default()),
+        }
     }
 }
 
-/// Group commit for FUSE: request threads queue fsyncs here instead of waiting; this
-/// thread takes everything queued, makes the log durable up to the highest target
-/// with one batch and one flush, and answers every one of them.
-fn syncer(fs: Arc<Fs>, rx: std::sync::mpsc::Receiver<PendingFsync>) {
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        batch.extend(rx.try_iter());
-        let target = batch.iter().map(|b| b.0).max().unwrap_or(0);
-        let r = fs.sync_to(target);
-        for (_, reply, t0) in batch {
-            fs.record_fsync_latency(t0.elapsed());
-            match &r {
-                Ok(()) => reply.ok(),
-                Err(e) => reply.error(errno(e)),
+/// Most groups being committed at once: while one group's batch flushes, the next
+/// group's batch is written and flushed beside it (the device serves flushes in
+/// parallel; see `Fs::sync_to`).
+const COMMITTERS: usize = 1;
+
+/// Group commit for FUSE (leader and followers). An fsync whose data and records
+/// are ready joins the queue; if fewer than `COMMITTERS` groups are being committed,
+/// its own request thread becomes a committer: it takes everything queued, makes the
+/// log durable up to the highest target with one batch and one flush, answers every
+/// fsync of the group, and goes on while more are queued. Otherwise the request
+/// thread returns at once and a committer answers the fsync later. No request thread
+/// ever waits for another's fsync, and no thread hop delays the first one.
+#[derive(Default)]
+struct FsyncQueue {
+    state: parking_lot::Mutex<(Vec<PendingFsync>, usize)>,
+}
+
+impl FsyncQueue {
+    fn submit(&self, fs: &Fs, p: PendingFsync) {
+        {
+            let mut st = self.state.lock();
+            st.0.push(p);
+            if st.1 >= COMMITTERS {
+                return;
+            }
+            st.1 += 1;
+        }
+        loop {
+            let group = {
+                let mut st = self.state.lock();
+                if st.0.is_empty() {
+                    st.1 -= 1;
+                    break;
+                }
+                std::mem::take(&mut st.0)
+            };
+            let target = group.iter().map(|b| b.0).max().unwrap_or(0);
+            let r = fs.sync_to(target);
+            for (_, reply, t0) in group {
+                fs.record_fsync_latency(t0.elapsed());
+                match &r {
+                    Ok(()) => reply.ok(),
+                    Err(e) => reply.error(errno(e)),
+                }
             }
         }
         if let Err(e) = fs.commit_if_log_full() {
@@ -167,19 +194,7 @@ impl FuseFs {
                 self.fs.record_fsync_latency(t0.elapsed());
                 reply.ok()
             }
-            Ok(Some(t)) => {
-                if let Err(std::sync::mpsc::SendError((t, reply, t0))) =
-                    self.syncer.send((t, reply, t0))
-                {
-                    // The syncer is gone (shutting down): sync here.
-                    let r = self.fs.sync_to(t);
-                    self.fs.record_fsync_latency(t0.elapsed());
-                    match r {
-                        Ok(()) => reply.ok(),
-                        Err(e) => reply.error(errno(&e)),
-                    }
-                }
-            }
+            Ok(Some(t)) => self.fsyncs.submit(&self.fs, (t, reply, t0)),
         }
     }
 

@@ -167,6 +167,9 @@ pub(crate) struct LogBuffer {
     next_lsn: u64,
     /// Every record below this LSN is durable (logged and flushed, or committed).
     pub(crate) durable_lsn: u64,
+    /// Every record below this LSN is in a batch written to the device (not
+    /// necessarily flushed yet).
+    pub(crate) written_lsn: u64,
     /// LSN that the commit in progress makes durable when it completes.
     committing_lsn: u64,
     /// Inode -> LSN just past its last record.

@@ -864,3 +864,100 @@ fn generated_sequences_survive_every_power_cut() {
     eprintln!("generated sequences: {seqs} sequences, {total} crash states checked");
     assert!(total > 200);
 }
+
+/// Four threads write and fsync their own files at once, so log batches are written
+/// while other batches flush. At every flush point the recorded device can stop at,
+/// each file must hold the version of its last fsync that had returned by then, or a
+/// later version (never an older one, never a mix).
+#[test]
+fn concurrent_fsyncs_survive_every_flush_point() {
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 25;
+    let dev = Arc::new(CrashDev::new(base_image()));
+    let fs = Arc::new(
+        Fs::open(
+            dev.clone(),
+            Options {
+                commit_interval: std::time::Duration::ZERO,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let inos: Vec<u64> = (0..THREADS)
+        .map(|t| {
+            fs.mknod(
+                birchfs::ROOT_INO,
+                format!("f{t}").as_bytes(),
+                0o644,
+                0,
+                Creds::default(),
+            )
+            .unwrap()
+            .ino
+        })
+        .collect();
+    fs.commit().unwrap();
+    let start = dev.op_count();
+    // Per thread: every version of its file, and (op count when an fsync returned,
+    // version it promised).
+    let results: Vec<(Vec<Vec<u8>>, Vec<(usize, usize)>)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (fs, dev, ino) = (fs.clone(), dev.clone(), inos[t]);
+                sc.spawn(move || {
+                    let mut rng = StdRng::seed_from_u64(t as u64 + 99);
+                    let mut data = Vec::new();
+                    let mut versions = vec![Vec::new()];
+                    let mut promises = Vec::new();
+                    for r in 0..ROUNDS {
+                        let off = rng.gen_range(0..40_000usize);
+                        let len = rng.gen_range(1..9_000usize);
+                        let byte = (t * ROUNDS + r) as u8 | 1;
+                        fs.write(ino, off as u64, &vec![byte; len]).unwrap();
+                        if data.len() < off + len {
+                            data.resize(off + len, 0);
+                        }
+                        data[off..off + len].fill(byte);
+                        versions.push(data.clone());
+                        fs.fsync(ino, rng.gen_bool(0.5)).unwrap();
+                        promises.push((dev.op_count(), versions.len() - 1));
+                    }
+                    (versions, promises)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    drop(fs);
+    let points: Vec<usize> = dev
+        .flush_points()
+        .into_iter()
+        .filter(|&p| p >= start)
+        .collect();
+    assert!(points.len() >= ROUNDS, "few flushes: {}", points.len());
+    for &p in &points {
+        let img = dev.image_with(p, &[]);
+        let rep = birchfs::check::check(&MemDev::from_image(img.clone())).unwrap();
+        assert!(
+            rep.problems.is_empty(),
+            "flush point {p}: {:#?}",
+            rep.problems
+        );
+        let fs = Fs::open(Arc::new(MemDev::from_image(img)), Options::default()).unwrap();
+        for (t, (versions, promises)) in results.iter().enumerate() {
+            let promised = promises
+                .iter()
+                .filter(|(ops, _)| *ops <= p)
+                .map(|&(_, v)| v)
+                .max()
+                .unwrap_or(0);
+            let got = fs.read(inos[t], 0, 100_000).unwrap();
+            assert!(
+                versions[promised..].contains(&got),
+                "flush point {p}: file {t} ({} bytes) is not version {promised} or later",
+                got.len()
+            );
+        }
+    }
+}

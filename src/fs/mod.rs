@@ -382,30 +382,56 @@ impl Fs {
 
     /// Makes every record up to `target` durable: one log batch, or a full commit when
     /// the log cannot take it.
+    ///
+    /// Batches are written in log order under `commit_lock`; the flush runs without
+    /// it, so the next group's batch is written while this one flushes, and several
+    /// flushes may be in flight (the device serves them in parallel). A flush makes
+    /// durable every batch written before it began (the device's flush covers all
+    /// completed writes), so the LSN read before flushing becomes durable after it;
+    /// replay stops at the first batch that did not land, so a later batch never
+    /// counts without the earlier ones.
     fn log_sync(&self, target: u64) -> Result<()> {
-        let _c = self.commit_lock.lock();
-        let (batch, log_start) = {
-            let mut g = self.inner.lock();
-            if g.store.log.durable_lsn >= target {
-                return Ok(());
-            }
-            let (fsid, gen) = (g.store.sb.fsid, g.store.generation);
-            match g.store.log.take_batch(&fsid, gen) {
-                Some(b) => (b, g.store.sb.log_start),
-                None => {
-                    drop(g);
-                    Stats::add(&self.stats.fallbacks, 1);
-                    return self.commit_locked();
+        let written = {
+            let _c = self.commit_lock.lock();
+            let (batch, log_start) = {
+                let mut g = self.inner.lock();
+                if g.store.log.durable_lsn >= target {
+                    return Ok(());
                 }
+                if g.store.log.written_lsn >= target {
+                    (None, 0)
+                } else {
+                    let (fsid, gen) = (g.store.sb.fsid, g.store.generation);
+                    match g.store.log.take_batch(&fsid, gen) {
+                        Some(b) => (Some(b), g.store.sb.log_start),
+                        None => {
+                            drop(g);
+                            Stats::add(&self.stats.fallbacks, 1);
+                            return self.commit_locked();
+                        }
+                    }
+                }
+            };
+            if let Some(batch) = batch {
+                if let Err(e) = Store::write_log(self.dev.as_ref(), &self.stats, log_start, &batch)
+                {
+                    // Later batches would sit behind a damaged one: commit from now on.
+                    tracing::error!("log write failed: {e}");
+                    self.inner.lock().store.log.overflow = true;
+                    return Err(e);
+                }
+                let mut g = self.inner.lock();
+                g.store.log.written_lsn = g.store.log.written_lsn.max(batch.end_lsn);
             }
+            self.inner.lock().store.log.written_lsn
         };
-        if let Err(e) = Store::write_log(self.dev.as_ref(), &self.stats, log_start, &batch) {
-            // Later batches would sit behind a damaged one: commit instead from now on.
-            tracing::error!("log write failed: {e}");
+        if let Err(e) = self.dev.flush() {
+            tracing::error!("log flush failed: {e}");
             self.inner.lock().store.log.overflow = true;
-            return Err(e);
+            return Err(e.into());
         }
-        self.inner.lock().store.log.batch_done(batch.end_lsn);
+        Stats::add(&self.stats.flushes, 1);
+        self.inner.lock().store.log.batch_done(written);
         Ok(())
     }
 
