@@ -901,7 +901,8 @@ fn concurrent_fsyncs_survive_every_flush_point() {
     let start = dev.op_count();
     // Per thread: every version of its file, and (op count when an fsync returned,
     // version it promised).
-    let results: Vec<(Vec<Vec<u8>>, Vec<(usize, usize)>)> = std::thread::scope(|sc| {
+    type Record = (Vec<Vec<u8>>, Vec<(usize, usize)>);
+    let results: Vec<Record> = std::thread::scope(|sc| {
         let hs: Vec<_> = (0..THREADS)
             .map(|t| {
                 let (fs, dev, ino) = (fs.clone(), dev.clone(), inos[t]);
