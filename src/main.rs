@@ -251,11 +251,13 @@ fn mount_background(args: &[String]) -> Result<()> {
 }
 
 fn mount(opts: &[String], image: &Path, mountpoint: &Path, ready_fd: Option<i32>) -> Result<()> {
-    // Few malloc arenas: with one per FUSE thread, memory freed by one thread and
-    // wanted by another piles up as slack far beyond cache_size.
+    // Few malloc arenas, and large buffers (I/O runs, readahead) mapped and unmapped
+    // each time: otherwise memory freed by one thread and wanted by another, or freed
+    // large buffers, pile up as slack far beyond cache_size.
     // SAFETY: mallopt only tunes the allocator; it is called before other threads exist.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
     }
     // SAFETY: the fd was handed to us by the parent for this purpose.
     let mut ready = ready_fd.map(|fd| std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }));

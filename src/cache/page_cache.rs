@@ -97,10 +97,9 @@ pub(crate) struct CachedFolio {
     last_used: AtomicU64,
 }
 
-/// Where a sequential reader is and how far ahead to read for it.
+/// How far ahead to read for a sequential reader.
 #[derive(Debug, Clone, Copy)]
 struct Readahead {
-    next: u64,
     window: u64,
 }
 
@@ -417,25 +416,23 @@ impl PageCache {
         self.bytes() > limit
     }
 
-    /// How far past `end` to read for a read of `[off, end)` of `ino`: a window that
-    /// doubles while the reads follow each other, and nothing for random reads.
-    pub(crate) fn readahead(&self, ino: u64, off: u64, end: u64) -> u64 {
+    /// How far past its end to read for a read of `ino`: a window that doubles
+    /// while reads continue a stream (`sequential`: what comes before the read is
+    /// cached, as the kernel decides), and nothing for a random read.
+    pub(crate) fn readahead(&self, ino: u64, sequential: bool) -> u64 {
         let mut st = self.state.lock();
-        let ra = st.readahead.entry(ino).or_insert(Readahead {
-            next: u64::MAX,
-            window: 0,
-        });
-        let window = if off == ra.next || off == 0 {
-            if ra.window == 0 {
-                RA_INITIAL
-            } else {
-                (ra.window * 2).min(RA_MAX)
-            }
-        } else {
-            0
+        let ra = st.readahead.entry(ino).or_insert(Readahead { window: 0 });
+        ra.window = match (sequential, ra.window) {
+            (false, _) => 0,
+            (true, 0) => RA_INITIAL,
+            (true, w) => (w * 2).min(RA_MAX),
         };
-        *ra = Readahead { next: end, window };
-        window
+        ra.window
+    }
+
+    /// Whether folio `idx` of `ino` is in the cache.
+    pub(crate) fn has_folio(&self, ino: u64, idx: u64) -> bool {
+        self.state.lock().folios.contains_key(&(ino, idx))
     }
 
     /// Wakes the flusher.
@@ -557,15 +554,11 @@ mod tests {
     #[test]
     fn readahead_grows_with_a_stream_and_stops_for_random_reads() {
         let c = cache(1 << 20);
-        let mut off = 0;
-        let mut windows = Vec::new();
-        for _ in 0..8 {
-            windows.push(c.readahead(9, off, off + 4096));
-            off += 4096;
-        }
+        let windows: Vec<u64> = (0..8).map(|_| c.readahead(9, true)).collect();
         assert_eq!(windows[0], RA_INITIAL);
         assert!(windows.windows(2).all(|w| w[1] >= w[0]));
         assert_eq!(*windows.last().unwrap(), RA_MAX);
-        assert_eq!(c.readahead(9, 1 << 30, (1 << 30) + 4096), 0);
+        assert_eq!(c.readahead(9, false), 0);
+        assert_eq!(c.readahead(9, true), RA_INITIAL);
     }
 }

@@ -1,9 +1,11 @@
 //! Block devices: what the engine reads from and writes to.
 
+mod aligned;
 mod crash;
 mod file;
 mod mem;
 
+pub use aligned::AlignedBuf;
 pub use crash::{CrashDev, CrashOp};
 pub use file::FileDev;
 pub use mem::MemDev;

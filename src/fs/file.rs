@@ -512,10 +512,34 @@ pub(crate) struct ReadPlan {
 impl ReadPlan {
     /// Reads and verifies every block; a checksum mismatch is EIO, never data.
     pub(crate) fn execute(&self, dev: &dyn BlockDev) -> Result<Vec<u8>> {
+        thread_local! {
+            /// Each thread's read buffer, reused: pieces are at most one extent.
+            static BUF: std::cell::RefCell<crate::dev::AlignedBuf> =
+                std::cell::RefCell::new(crate::dev::AlignedBuf::default());
+        }
         let mut out = vec![0u8; self.len];
+        BUF.with(|b| {
+            self.for_each_piece(dev, &mut b.borrow_mut(), |at, bytes| {
+                out[at..at + bytes.len()].copy_from_slice(bytes)
+            })
+        })?;
+        Ok(out)
+    }
+
+    /// Reads and verifies every piece into `scratch`, handing each one's wanted bytes
+    /// with their offset in the planned range to `put`; holes are not handed over.
+    pub(crate) fn for_each_piece(
+        &self,
+        dev: &dyn BlockDev,
+        scratch: &mut crate::dev::AlignedBuf,
+        mut put: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
         for p in &self.pieces {
-            let mut buf = vec![0u8; p.blocks_len];
-            dev.read_at(&mut buf, p.disk)?;
+            if scratch.len() < p.blocks_len {
+                *scratch = crate::dev::AlignedBuf::zeroed(p.blocks_len);
+            }
+            let buf = &mut scratch[..p.blocks_len];
+            dev.read_at(buf, p.disk)?;
             let sums = &self.sums[&p.extent];
             for (n, block) in buf.chunks(BS as usize).enumerate() {
                 let idx = (p.within / BS) as usize + n;
@@ -532,8 +556,8 @@ impl ReadPlan {
                     return Err(e);
                 }
             }
-            out[p.out..p.out + p.take].copy_from_slice(&buf[p.skip..p.skip + p.take]);
+            put(p.out, &buf[p.skip..p.skip + p.take]);
         }
-        Ok(out)
+        Ok(())
     }
 }

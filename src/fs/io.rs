@@ -19,7 +19,7 @@ use std::sync::Arc;
 use super::Fs;
 use crate::cache::CachedFolio;
 use crate::error::{Error, Result};
-use crate::format::{BLOCK_SIZE, MAX_FILE_SIZE};
+use crate::format::{BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
 use crate::stats::Stats;
 
 const BS: u64 = BLOCK_SIZE;
@@ -30,7 +30,7 @@ const WB_CHUNK: u64 = 8 << 20;
 /// Contiguous dirty blocks taken from the cache, with where they came from.
 struct DirtyRun {
     off: u64,
-    buf: Vec<u8>,
+    buf: crate::dev::AlignedBuf,
     /// (folio, its index, first block, end block)
     parts: Vec<(Arc<CachedFolio>, u64, usize, usize)>,
 }
@@ -189,8 +189,19 @@ impl Fs {
         let end = (offset + size as u64).min(fsize);
         let cache = &self.cache;
         let fsz = cache.folio_size();
-        let ra = cache.readahead(ino, offset, end);
-        let fill_end = (end + ra).min(fsize);
+        // Sequential when the folio of the byte before the read is in the cache (or
+        // at the start): the kernel sends a stream's reads from several threads at
+        // once, so the block before may still be on its way in.
+        let sequential = offset == 0 || cache.has_folio(ino, (offset - 1) / fsz);
+        let ra = cache.readahead(ino, sequential);
+        // The window is fetched in aligned pieces of its own size, so a stream reads
+        // the device in large requests rather than one request-sized slice at a time.
+        let fill_end = if ra == 0 {
+            end
+        } else {
+            (end + ra).div_ceil(ra) * ra
+        }
+        .min(fsize);
         let mut held: Vec<(u64, Arc<CachedFolio>)> = Vec::new();
         let mut missing: Vec<Missing> = Vec::new();
         for idx in offset / fsz..fill_end.div_ceil(fsz) {
@@ -235,16 +246,35 @@ impl Fs {
 
     /// Reads the `missing` blocks of `ino` from the device into their folios, one
     /// device read per contiguous range (ranges may span folios).
+    ///
+    /// Readers of one file fill one at a time (`fill_locks`), and each looks again
+    /// once it has the lock: the kernel sends a sequential stream's reads from several
+    /// threads at once, and their readahead windows overlap.
     fn fill_missing(&self, ino: u64, missing: &[Missing]) -> Result<()> {
         if missing.is_empty() {
             return Ok(());
         }
+        let _l = self.fill_locks[(ino % self.fill_locks.len() as u64) as usize].lock();
+        let mut still = Vec::with_capacity(missing.len());
+        for m in missing {
+            let g = m.folio.folio.lock();
+            let want: Vec<usize> = (m.a..m.b).filter(|&k| !g.uptodate.get(k)).collect();
+            for (x, y) in runs_of(&want) {
+                still.push(Missing {
+                    folio: m.folio.clone(),
+                    off: m.off + (x - m.a) as u64 * BS,
+                    a: x,
+                    b: y,
+                });
+            }
+        }
+        let missing = &still[..];
         // (file offset, end, first and last index into `missing`)
         let mut ranges: Vec<(u64, u64, usize, usize)> = Vec::new();
         for (n, m) in missing.iter().enumerate() {
             let e = m.off + (m.b - m.a) as u64 * BS;
             match ranges.last_mut() {
-                Some(r) if r.1 == m.off && r.1 - r.0 < crate::format::MAX_EXTENT_SIZE * 4 => {
+                Some(r) if r.1 == m.off && r.1 - r.0 < MAX_EXTENT_SIZE * 4 => {
                     r.1 = e;
                     r.3 = n + 1;
                 }
@@ -257,20 +287,34 @@ impl Fs {
                 .map(|r| i.plan_range(ino, r.0, r.1))
                 .collect::<Result<Vec<_>>>()
         })?;
+        thread_local! {
+            /// Each thread's device read buffer, reused (pieces are at most an extent).
+            static SCRATCH: std::cell::RefCell<crate::dev::AlignedBuf> =
+                std::cell::RefCell::new(crate::dev::AlignedBuf::default());
+        }
         for (r, plan) in ranges.iter().zip(plans) {
-            let buf = plan.execute(self.dev.as_ref())?;
-            Stats::add(&self.stats.dev_read_bytes, buf.len() as u64);
-            for m in &missing[r.2..r.3] {
-                let at = (m.off - r.0) as usize;
-                let mut g = m.folio.folio.lock();
-                for k in m.a..m.b {
-                    if !g.uptodate.get(k) {
-                        let src = at + (k - m.a) * BS as usize;
-                        g.data[k * BS as usize..(k + 1) * BS as usize]
-                            .copy_from_slice(&buf[src..src + BS as usize]);
-                        g.uptodate.set_range(k, k + 1);
+            let group = &missing[r.2..r.3];
+            // Copies verified bytes at `at` (from the range start) into the folios;
+            // holes stay zero, as blocks that are not uptodate already are.
+            let mut put = |at: usize, bytes: &[u8]| {
+                let (s, e) = (r.0 + at as u64, r.0 + (at + bytes.len()) as u64);
+                for m in group {
+                    let me = m.off + (m.b - m.a) as u64 * BS;
+                    let (cs, ce) = (s.max(m.off), e.min(me));
+                    if cs >= ce {
+                        continue;
                     }
+                    let mut g = m.folio.folio.lock();
+                    let fo = (m.a as u64 * BS + cs - m.off) as usize;
+                    g.data[fo..fo + (ce - cs) as usize]
+                        .copy_from_slice(&bytes[(cs - s) as usize..(ce - s) as usize]);
                 }
+                Stats::add(&self.stats.dev_read_bytes, bytes.len() as u64);
+            };
+            SCRATCH
+                .with(|b| plan.for_each_piece(self.dev.as_ref(), &mut b.borrow_mut(), &mut put))?;
+            for m in group {
+                m.folio.folio.lock().uptodate.set_range(m.a, m.b);
             }
         }
         Ok(())
@@ -340,13 +384,21 @@ impl Fs {
                     let off = idx * fsz + a as u64 * BS;
                     let bytes = &g.data[a * BS as usize..b * BS as usize];
                     match runs.last_mut() {
-                        Some(r) if r.off + r.buf.len() as u64 == off => {
+                        // A run is at most one extent long, so its buffer stays small.
+                        Some(r)
+                            if r.off + r.buf.len() as u64 == off
+                                && r.buf.len() + bytes.len() <= MAX_EXTENT_SIZE as usize =>
+                        {
                             r.buf.extend_from_slice(bytes);
                             r.parts.push((f.clone(), idx, a, b));
                         }
                         _ => runs.push(DirtyRun {
                             off,
-                            buf: bytes.to_vec(),
+                            buf: {
+                                let mut b = crate::dev::AlignedBuf::default();
+                                b.extend_from_slice(bytes);
+                                b
+                            },
                             parts: vec![(f.clone(), idx, a, b)],
                         }),
                     }

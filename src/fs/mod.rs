@@ -157,6 +157,9 @@ pub struct Fs {
     file_locks: Vec<RwLock<()>>,
     /// Per-file writeback locks, sharded (after `file_locks`, before `commit_lock`).
     wb_locks: Vec<Mutex<()>>,
+    /// Per-file locks of readers filling the cache from the device, sharded (taken
+    /// after `file_locks`, before `inner`).
+    fill_locks: Vec<Mutex<()>>,
     cache: Arc<PageCache>,
     pub(crate) inner: Mutex<Inner>,
     commit_lock: Mutex<()>,
@@ -210,6 +213,7 @@ impl Fs {
         let fs = Fs {
             file_locks: (0..FILE_LOCK_SHARDS).map(|_| RwLock::new(())).collect(),
             wb_locks: (0..FILE_LOCK_SHARDS).map(|_| Mutex::new(())).collect(),
+            fill_locks: (0..FILE_LOCK_SHARDS).map(|_| Mutex::new(())).collect(),
             cache,
             inner: Mutex::new(inner),
             commit_lock: Mutex::new(()),
