@@ -223,6 +223,20 @@ def kill_children():
                 pass
 
 
+def lock_free(path):
+    """Whether no process holds an flock on path (a birchfs daemon locks its image)."""
+    try:
+        with open(path, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+    except OSError:
+        return True
+
+
 def pids_with_arg(fragment, names):
     """PIDs whose argv[0] basename is in names and whose command line contains fragment."""
     out = []
@@ -432,6 +446,11 @@ class Target:
     def birch_unmount(self):
         unmount(self.mp)
         mp = str(self.mp)
+        # The kernel unmounts before the daemon has finished its last commit and exited;
+        # its image stays locked (flock) until then, and that is what a new mount needs.
+        image = self.dev or self.img
+        if image and not wait_for(lambda: lock_free(image), 120, 0.1):
+            log(f"warning: {image} still locked 120 s after unmounting {mp}")
         if not wait_for(lambda: not pids_with_arg(mp, {"birchfs"}), 120, 0.1):
             log(f"warning: birchfs daemon for {mp} did not exit; terminating it")
             for pid in pids_with_arg(mp, {"birchfs"}):
@@ -1471,6 +1490,10 @@ def main():
         old = json.loads((outdir / "results.json").read_text())
         ids = {v["id"] for v in vs}
         old["runs"] = [r for r in old["runs"] if r["variant"] not in ids] + res["runs"]
+        # Variants and targets new since the base run join its tables, in canonical order.
+        known = {v["id"] for v in old["variants"]} | ids
+        old["variants"] = [v for v in variants(old["profile"], None) if v["id"] in known]
+        old["targets"] = [t for t in TARGETS if t in old["targets"] or t in res["targets"]]
         old.setdefault("reruns", []).append({
             "variants": sorted(ids), "date": res["machine"]["date"], "reason": a.merge,
             "wall_s": res["wall_s"], "complete": res["complete"], "machine": res["machine"]})

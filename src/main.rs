@@ -268,6 +268,23 @@ fn mount(opts: &[String], image: &Path, mountpoint: &Path, ready_fd: Option<i32>
     r
 }
 
+/// Opens the image, waiting up to 10 s while another process holds its lock: after
+/// `umount` the previous daemon still finishes its last commit before it lets go.
+fn open_when_free(image: &Path, writable: bool) -> std::io::Result<FileDev> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match FileDev::open(image, writable) {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            r => return r,
+        }
+    }
+}
+
 fn mount_serve(
     opts: &[String],
     image: &Path,
@@ -281,7 +298,7 @@ fn mount_serve(
             mountpoint.display()
         );
     }
-    let dev = FileDev::open(image, !mo.fs.readonly)
+    let dev = open_when_free(image, !mo.fs.readonly)
         .with_context(|| format!("cannot open {}", image.display()))?;
     let fs = Arc::new(
         Fs::open(Arc::new(dev), mo.fs.clone())

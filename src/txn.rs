@@ -331,7 +331,7 @@ impl Store {
         res
     }
 
-    fn writable(&self) -> Result<()> {
+    pub(crate) fn writable(&self) -> Result<()> {
         if self.readonly {
             return Err(Error::ReadOnly);
         }

@@ -2457,6 +2457,23 @@ fn assert_same_tree(before: &[Entry], after: &[Entry], when: &str) {
 }
 
 #[test]
+fn mount_right_after_umount_waits_for_the_old_daemon() {
+    let mut m = Mount::new();
+    for round in 0..3u64 {
+        // Unsynced data: the old daemon's last commit has work to do after umount.
+        let data: Vec<u8> = (0..24)
+            .flat_map(|i| pattern(round * 100 + i, 2 * MB))
+            .copied()
+            .collect();
+        fs::write(m.path("f"), &data).unwrap();
+        m.umount_no_wait();
+        m.mount();
+        assert_eq!(fs::read(m.path("f")).unwrap(), data, "round {round}");
+    }
+    m.unmount();
+}
+
+#[test]
 fn tree_persists_across_remount() {
     let mut m = Mount::new();
     let p = |s: &str| m.path(s);

@@ -266,3 +266,32 @@ fn a_failed_writeback_keeps_the_data_dirty_for_the_next_try() {
     assert_eq!(fs.stats().cache_dirty_bytes, 5 * BS);
     assert_eq!(fs.read(ino, 0, 30_000).unwrap(), vec![8; 20_000]);
 }
+
+#[test]
+fn sequential_reads_read_ahead_and_random_reads_do_not() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    let data = pattern(8 * MB as usize, 6);
+    fs.write(ino, 0, &data).unwrap();
+    let fs = remount(&dev, fs, o.clone());
+    let chunk = 128 * 1024;
+    assert_eq!(fs.read(ino, 0, chunk as u32).unwrap(), &data[..chunk]);
+    let first = fs.stats().dev_read_bytes;
+    assert!(first > chunk as u64, "no readahead: read {first} bytes");
+    let mut off = chunk;
+    while off < data.len() {
+        let got = fs.read(ino, off as u64, chunk as u32).unwrap();
+        assert_eq!(got, &data[off..off + chunk]);
+        off += chunk;
+    }
+    // Every byte came from the device once.
+    assert_eq!(fs.stats().dev_read_bytes, data.len() as u64);
+    let fs = remount(&dev, fs, o);
+    // A random read far from the start reads just what it asked for.
+    assert_eq!(
+        fs.read(ino, 5 * MB + 4096, 4096).unwrap(),
+        &data[(5 * MB + 4096) as usize..(5 * MB + 8192) as usize]
+    );
+    assert_eq!(fs.stats().dev_read_bytes, 4096);
+}

@@ -264,6 +264,7 @@ impl Inner {
     /// nodes that writeback will copy get a margin on top (1/32: checksums, extent
     /// items and the nodes holding them), so the reservation holds at writeback.
     pub(crate) fn write_begin(&mut self, ino: u64, room: u64) -> Result<u64> {
+        self.store.writable()?;
         let i = self.check_file(ino)?;
         if !self.store.alloc.has_room(room + room / 32 + 2 * BS) {
             return Err(Error::NoSpace);

@@ -380,6 +380,8 @@ fn full_disk_gives_enospc_and_unlink_still_works() {
 #[test]
 fn readonly_refuses_changes() {
     let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, b"old").unwrap();
     fs.unmount().unwrap();
     let fs = Fs::open(
         dev.clone(),
@@ -393,6 +395,9 @@ fn readonly_refuses_changes() {
         fs.mknod(ROOT_INO, b"x", 0o644, 0, cr()),
         Err(Error::ReadOnly)
     ));
+    // A write is refused at once, not when its cached data would be written back.
+    assert!(matches!(fs.write(f.ino, 0, b"new"), Err(Error::ReadOnly)));
+    assert_eq!(fs.read(f.ino, 0, 10).unwrap(), b"old");
 }
 
 #[test]

@@ -514,6 +514,17 @@ impl Mount {
         );
     }
 
+    /// Runs `umount` and returns at once, as a script would: the daemon may still be
+    /// finishing its last commit.
+    #[track_caller]
+    pub fn umount_no_wait(&mut self) {
+        assert!(self.mounted, "unmount: not mounted");
+        if let Some(failure) = self.umount_command(Duration::from_secs(10)) {
+            panic!("umount {} failed:\n{}", self.mnt.display(), failure);
+        }
+        self.mounted = false;
+    }
+
     /// Unmounts and waits for the daemon, without asserting that check is clean;
     /// returns check's output.
     #[track_caller]
