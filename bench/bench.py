@@ -909,7 +909,7 @@ def ratio_cols(summ, vid, k, higher_better, targets):
     meds = {t: summ.get(vid, {}).get(t, {}).get(k, {}).get("median") for t in targets}
     kern = {t: meds[t] for t in KERNEL if meds.get(t) is not None}
     if not kern:
-        return ["–", "–", "–"]
+        return ["–"] * (1 + len(BIRCH))
     best = (max if higher_better else min)(kern, key=kern.get)
     cols = [LABELS[best]]
     for b in BIRCH:
@@ -921,7 +921,7 @@ def ratio_cols(summ, vid, k, higher_better, targets):
 
 
 def table(summ, vs, targets, k, higher_better, title_unit):
-    hdr = ["workload"] + [LABELS[t] for t in targets] + ["best kernel fs", "birchfs (loop) / best", "birchfs (file) / best"]
+    hdr = ["workload"] + [LABELS[t] for t in targets] + ["best kernel fs"] + [f"{LABELS[b]} / best" for b in BIRCH]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for v in vs:
         if not any(summ.get(v["id"], {}).get(t, {}).get(k) for t in targets):
@@ -1013,7 +1013,7 @@ def write_report(res, outdir):
     L.append("")
     L.append("## Throughput (fio: MiB/s written; W4: files/s)")
     L.append("")
-    hdr = ["workload", "unit"] + [LABELS[t] for t in targets] + ["best kernel fs", "birchfs (loop) / best", "birchfs (file) / best"]
+    hdr = ["workload", "unit"] + [LABELS[t] for t in targets] + ["best kernel fs"] + [f"{LABELS[b]} / best" for b in BIRCH]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for v in vs:
         k = main_k(v)
@@ -1037,11 +1037,11 @@ def write_report(res, outdir):
     L.append("")
     L.append("## Write amplification (device bytes written / bytes fio wrote)")
     L.append("")
-    L.append("W3 is the workload this is defined for; W1/W2 are shown for reference. "
+    L.append("W3 is the workload this is defined for; W1/W2/W5 are shown for reference. "
              "`raw` has no device of its own (n/a). For the FUSE floor it is the ext4 loop device below it.")
     L.append("")
     wa_targets = [t for t in targets if t != "raw"]
-    L.append(table(summ, fio_vs, wa_targets, "wa", False, "x"))
+    L.append(table(summ, [v for v in fio_vs if v["id"] != "W5-read"], wa_targets, "wa", False, "x"))
     L.append("")
     # birchfs internals
     bl = []
@@ -1344,6 +1344,31 @@ def on_signal(signum, frame):
     raise Interrupted(f"signal {signum}")
 
 
+def merge_into(old, res, vs, reason):
+    """The earlier results `old` with the rows of variants `vs` replaced by this run's."""
+    ids = {v["id"] for v in vs}
+    old["runs"] = [r for r in old["runs"] if r["variant"] not in ids] + res["runs"]
+    # Variants, targets and profile settings new since the base run join it, in order.
+    for k, val in res["profile"].items():
+        old["profile"].setdefault(k, val)
+    known = {v["id"] for v in old["variants"]} | ids
+    old["variants"] = [v for v in variants(old["profile"], None) if v["id"] in known]
+    old["targets"] = [t for t in TARGETS if t in old["targets"] or t in res["targets"]]
+    old.setdefault("reruns", []).append({
+        "variants": sorted(ids), "date": res["machine"]["date"], "reason": reason,
+        "wall_s": res["wall_s"], "complete": res["complete"], "machine": res["machine"]})
+    # Complete when every variant x repetition x target has a finished (or skipped) run.
+    have = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if r.get("ok") or r.get("skipped")}
+    want = {(v["id"], rep, t) for v in old["variants"] for rep in range(1, old["profile"]["reps"] + 1)
+            for t in old["targets"] if t not in ONLY_FOR or v["workload"] in ONLY_FOR[t]}
+    failed_ok = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if "error" in r}
+    old["complete"] = res["complete"] and want <= (have | failed_ok)
+    # An interrupted base run has no wall time of its own: use the sum of its runs.
+    base_wall = old.get("wall_s") or sum(r.get("wall_s", 0) for r in old["runs"] if r["variant"] not in ids)
+    old["wall_s"] = base_wall + res["wall_s"]
+    return old
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", choices=sorted(PROFILES), default="quick")
@@ -1487,26 +1512,7 @@ def main():
             rc = rc or 1
     res["wall_s"] = time.monotonic() - t_start
     if a.merge and res["runs"]:
-        old = json.loads((outdir / "results.json").read_text())
-        ids = {v["id"] for v in vs}
-        old["runs"] = [r for r in old["runs"] if r["variant"] not in ids] + res["runs"]
-        # Variants and targets new since the base run join its tables, in canonical order.
-        known = {v["id"] for v in old["variants"]} | ids
-        old["variants"] = [v for v in variants(old["profile"], None) if v["id"] in known]
-        old["targets"] = [t for t in TARGETS if t in old["targets"] or t in res["targets"]]
-        old.setdefault("reruns", []).append({
-            "variants": sorted(ids), "date": res["machine"]["date"], "reason": a.merge,
-            "wall_s": res["wall_s"], "complete": res["complete"], "machine": res["machine"]})
-        # Complete when every variant x repetition x target has a finished (or skipped) run.
-        have = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if r.get("ok") or r.get("skipped")}
-        want = {(v["id"], rep, t) for v in old["variants"] for rep in range(1, old["profile"]["reps"] + 1)
-                for t in old["targets"] if t not in ONLY_FOR or v["workload"] in ONLY_FOR[t]}
-        failed_ok = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if "error" in r}
-        old["complete"] = res["complete"] and want <= (have | failed_ok)
-        # An interrupted base run has no wall time of its own: use the sum of its runs.
-        base_wall = old.get("wall_s") or sum(r.get("wall_s", 0) for r in old["runs"] if r["variant"] not in ids)
-        old["wall_s"] = base_wall + res["wall_s"]
-        res = old
+        res = merge_into(json.loads((outdir / "results.json").read_text()), res, vs, a.merge)
     if res["runs"]:
         res["summary"] = summarize(res["runs"])
         res.setdefault("machine", machine_facts(work))

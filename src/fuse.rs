@@ -15,10 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags as FuseRenameFlags,
-    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    AccessFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags,
+    RenameFlags as FuseRenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
+    Request, TimeOrNow, WriteFlags,
 };
 
 use crate::error::Error;
@@ -693,6 +694,39 @@ impl Filesystem for FuseFs {
         };
         match self.fs.fallocate(to_ino(ino), offset, length, m) {
             Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// Shares whole blocks instead of copying them (the kernel does not pass FICLONE
+    /// to FUSE, so this is how `cp` gets a reflink); it has written back both ranges
+    /// from its cache and drops the target's pages afterwards.
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        ino_in: INodeNo,
+        _fh_in: FileHandle,
+        offset_in: u64,
+        ino_out: INodeNo,
+        _fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        flags: CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        if !flags.is_empty() {
+            return reply.error(Errno::from_i32(libc::EINVAL));
+        }
+        // The reply counts in 32 bits; a short copy is allowed.
+        let len = len.min(u64::from(u32::MAX) / 4096 * 4096);
+        if len == 0 {
+            return reply.written(0);
+        }
+        match self
+            .fs
+            .copy_file_range(to_ino(ino_in), offset_in, to_ino(ino_out), offset_out, len)
+        {
+            Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(errno(&e)),
         }
     }

@@ -18,11 +18,13 @@ pub mod check;
 pub mod dev;
 pub mod dump;
 mod error;
+pub mod extent_map;
 pub mod format;
 mod fs;
 pub mod fuse;
 mod log;
 mod refs;
+pub mod skiplist;
 mod stats;
 mod txn;
 

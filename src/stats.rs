@@ -24,6 +24,8 @@ pub struct Stats {
     pub dev_read_bytes: AtomicU64,
     /// Runs of contiguous dirty blocks written back (each allocated in one piece).
     pub writeback_runs: AtomicU64,
+    /// Bytes of file data shared by clone or copy_file_range instead of copied.
+    pub cloned_bytes: AtomicU64,
     /// Bytes of tree nodes written to the device.
     pub dev_meta_bytes: AtomicU64,
     /// Bytes of superblocks written to the device.
@@ -60,6 +62,7 @@ impl Stats {
             user_read_bytes: g(&self.user_read_bytes),
             dev_read_bytes: g(&self.dev_read_bytes),
             writeback_runs: g(&self.writeback_runs),
+            cloned_bytes: g(&self.cloned_bytes),
             cache_bytes: 0,
             cache_dirty_bytes: 0,
             dev_meta_bytes: g(&self.dev_meta_bytes),
@@ -95,6 +98,8 @@ pub struct StatsSnapshot {
     pub dev_read_bytes: u64,
     /// See [`Stats::writeback_runs`].
     pub writeback_runs: u64,
+    /// See [`Stats::cloned_bytes`].
+    pub cloned_bytes: u64,
     /// Bytes held by the page cache now (a gauge, filled in by `Fs::stats`).
     pub cache_bytes: u64,
     /// Bytes of dirty blocks in the page cache now (a gauge).
@@ -225,7 +230,7 @@ impl StatsSnapshot {
             concat!(
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
-                "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{}}},",
+                "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
                 "\"writeback_runs\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
             ),
@@ -243,6 +248,7 @@ impl StatsSnapshot {
             self.device_total(),
             self.user_read_bytes,
             self.dev_read_bytes,
+            self.cloned_bytes,
             self.writeback_runs,
             self.cache_bytes,
             self.cache_dirty_bytes,
@@ -295,6 +301,7 @@ impl StatsSnapshot {
         );
         row(&mut s, "device bytes read", self.dev_read_bytes.to_string());
         row(&mut s, "writeback runs", self.writeback_runs.to_string());
+        row(&mut s, "bytes cloned", self.cloned_bytes.to_string());
         row(&mut s, "page cache bytes", self.cache_bytes.to_string());
         row(
             &mut s,

@@ -27,6 +27,10 @@ enum Op {
     Unlink(usize),
     Link(usize, usize, usize),
     Rename(usize, usize, usize),
+    /// copy_file_range(src, dst, src offset, dst offset, len)
+    Copy(usize, usize, u32, u32, u32),
+    /// clone_range in whole blocks (src block, dst block, blocks; 0: to the end)
+    Clone(usize, usize, u32, u32, u32),
     Fsync,
     Remount,
     Crash,
@@ -45,7 +49,11 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (pick.clone(), 0..300_000u32, 1..100_000u32).prop_map(|(p, o, l)| Op::Punch(p, o, l)),
         1 => pick.clone().prop_map(Op::Unlink),
         1 => (pick.clone(), d.clone(), n.clone()).prop_map(|(p, d, n)| Op::Link(p, d, n)),
-        1 => (pick, d, n).prop_map(|(p, d, n)| Op::Rename(p, d, n)),
+        1 => (pick.clone(), d, n).prop_map(|(p, d, n)| Op::Rename(p, d, n)),
+        2 => (pick.clone(), pick.clone(), 0..300_000u32, 0..300_000u32, 1..200_000u32)
+            .prop_map(|(a, b, s, d, l)| Op::Copy(a, b, s, d, l)),
+        2 => (pick.clone(), pick, 0..75u32, 0..75u32, 0..50u32)
+            .prop_map(|(a, b, s, d, l)| Op::Clone(a, b, s, d, l)),
         1 => Just(Op::Fsync),
         1 => Just(Op::Remount),
         1 => Just(Op::Crash),
@@ -242,6 +250,50 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
                     m.gc();
                 }
             }
+        }
+        Op::Copy(a, b, soff, doff, len) | Op::Clone(a, b, soff, doff, len) => {
+            let clone = matches!(op, Op::Clone(..));
+            let (Some(sp), Some(dp)) = (m.pick(*a), m.pick(*b)) else {
+                return;
+            };
+            let (sid, did) = (m.names[&sp], m.names[&dp]);
+            let (soff, doff, len) = if clone {
+                (
+                    *soff as usize * 4096,
+                    *doff as usize * 4096,
+                    *len as usize * 4096,
+                )
+            } else {
+                (*soff as usize, *doff as usize, *len as usize)
+            };
+            let (si, di) = (w.ino(&sp), w.ino(&dp));
+            let r = if clone {
+                w.fs()
+                    .clone_range(si, soff as u64, di, doff as u64, len as u64)
+            } else {
+                w.fs()
+                    .copy_file_range(si, soff as u64, di, doff as u64, len as u64)
+            };
+            let src = m.files[&sid].clone();
+            if soff >= src.len() {
+                assert_eq!(r.unwrap(), 0, "from past the end");
+                return;
+            }
+            let n = if len == 0 {
+                src.len() - soff
+            } else {
+                len.min(src.len() - soff)
+            };
+            if sid == did && soff < doff + n && doff < soff + n {
+                assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+                return;
+            }
+            assert_eq!(r.unwrap(), n as u64);
+            let f = m.files.get_mut(&did).unwrap();
+            if f.len() < doff + n {
+                f.resize(doff + n, 0);
+            }
+            f[doff..doff + n].copy_from_slice(&src[soff..soff + n]);
         }
         Op::Fsync => {
             // A full sync; per-file fsync through the log is what tests/crash.rs proves.

@@ -14,6 +14,7 @@ use zerocopy::{FromBytes, IntoBytes};
 use super::{FallocMode, Inner};
 use crate::dev::BlockDev;
 use crate::error::{Error, Result};
+use crate::extent_map::{ExtentMap, Mapping};
 use crate::format::{
     csum, kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE,
     FILE_EXTENT_PREALLOC, FILE_EXTENT_REG, MAX_EXTENT_SIZE, MAX_FILE_SIZE,
@@ -34,13 +35,65 @@ fn csum_key(bytenr: u64) -> Key {
     Key::new(objectid::CSUM, kind::EXTENT_CSUM, bytenr)
 }
 
+fn mapping_of(fe: &FileExtent) -> Mapping {
+    Mapping {
+        disk_bytenr: fe.disk_bytenr.get(),
+        disk_len: fe.disk_len.get(),
+        offset: fe.offset.get(),
+        len: fe.num_bytes.get(),
+        prealloc: fe.kind == FILE_EXTENT_PREALLOC,
+        generation: fe.generation.get(),
+    }
+}
+
+fn fe_of(m: &Mapping) -> FileExtent {
+    FileExtent {
+        generation: m.generation.into(),
+        kind: if m.prealloc {
+            FILE_EXTENT_PREALLOC
+        } else {
+            FILE_EXTENT_REG
+        },
+        pad: [0; 7],
+        disk_bytenr: m.disk_bytenr.into(),
+        disk_len: m.disk_len.into(),
+        offset: m.offset.into(),
+        num_bytes: m.len.into(),
+    }
+}
+
 fn decode_fe(ino: u64, v: &[u8]) -> Result<FileExtent> {
     FileExtent::read_from_bytes(v).map_err(|_| Error::corrupt("file extent", ino, "bad size"))
 }
 
 impl Inner {
-    /// File extents overlapping `[start, end)`, as (file offset, extent).
+    /// File extents overlapping `[start, end)`, as (file offset, extent): from the
+    /// file's extent map, loaded from the tree on first use.
     fn extents_in(&mut self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, FileExtent)>> {
+        if self.maps.get(ino).is_none() && !self.maps.is_too_big(ino) {
+            let mut map = ExtentMap::default();
+            for (off, fe) in self.extents_in_tree(ino, 0, u64::MAX >> 1)? {
+                map.replace(off, mapping_of(&fe));
+            }
+            self.maps.put(ino, map);
+        }
+        match self.maps.get(ino) {
+            Some(m) => Ok(m
+                .range(start, end)
+                .into_iter()
+                .map(|(off, mp)| (off, fe_of(&mp)))
+                .collect()),
+            None => self.extents_in_tree(ino, start, end),
+        }
+    }
+
+    /// [`Inner::extents_in`] read from the tree.
+    fn extents_in_tree(
+        &mut self,
+        ino: u64,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<(u64, FileExtent)>> {
         let mut out = Vec::new();
         if let Some((k, v)) = self.store.seek_le(tree::FS, &extent_key(ino, start))? {
             if k.objectid == ino && k.ty == kind::EXTENT_DATA {
@@ -140,8 +193,42 @@ impl Inner {
     }
 
     /// Removes the file's mapping of `[start, end)` (block aligned), dropping references
-    /// of extents no longer used; returns the bytes unmapped.
+    /// of extents no longer used; returns the bytes unmapped. The extent map makes the
+    /// same change in one drop; if the tree fails part-way, the map is forgotten.
     fn drop_range(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
+        match self.drop_range_tree(ino, start, end) {
+            Ok(n) => {
+                self.maps.update(ino, |m| {
+                    m.drop_range(start, end);
+                });
+                Ok(n)
+            }
+            Err(e) => {
+                self.maps.forget(ino);
+                Err(e)
+            }
+        }
+    }
+
+    /// Puts a file extent item at `off` and into the extent map (which the caller has
+    /// cleared there).
+    fn put_extent(&mut self, ino: u64, off: u64, fe: &FileExtent) -> Result<()> {
+        match self
+            .store
+            .insert(tree::FS, extent_key(ino, off), fe.as_bytes().to_vec())
+        {
+            Ok(()) => {
+                self.maps.update(ino, |m| m.replace(off, mapping_of(fe)));
+                Ok(())
+            }
+            Err(e) => {
+                self.maps.forget(ino);
+                Err(e)
+            }
+        }
+    }
+
+    fn drop_range_tree(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
         let mut freed = 0;
         for (foff, fe) in self.extents_in(ino, start, end)? {
             let n = fe.num_bytes.get();
@@ -181,6 +268,60 @@ impl Inner {
             }
         }
         Ok(freed)
+    }
+
+    /// Shares the blocks of `src` in `[soff, soff + len)` into `dst` at `doff` (all
+    /// block aligned), replacing what `dst` had there: every source extent gets one more
+    /// reference and no data moves; holes and preallocated ranges become holes. Stops
+    /// after `max_extents` extents (each call is one bounded step); returns the bytes
+    /// done. Ranges of one file must not overlap.
+    pub(crate) fn clone_blocks(
+        &mut self,
+        src: u64,
+        soff: u64,
+        dst: u64,
+        doff: u64,
+        len: u64,
+        max_extents: usize,
+    ) -> Result<u64> {
+        debug_assert!(soff % BS == 0 && doff % BS == 0 && len % BS == 0);
+        self.need_room()?;
+        self.check_file(src)?;
+        let mut di = self.check_file(dst)?;
+        let mut exts = self.extents_in(src, soff, soff + len)?;
+        let mut end = soff + len;
+        if exts.len() > max_extents {
+            exts.truncate(max_extents.max(1));
+            let (foff, fe) = exts[exts.len() - 1];
+            end = end.min(foff + fe.num_bytes.get());
+        }
+        let done = end - soff;
+        let dropped = self.drop_range(dst, doff, doff + done)?;
+        let mut nbytes = di.nbytes.get().saturating_sub(dropped);
+        for (foff, fe) in exts {
+            let s = foff.max(soff);
+            let e = (foff + fe.num_bytes.get()).min(end);
+            if fe.kind == FILE_EXTENT_PREALLOC || s >= e {
+                continue;
+            }
+            let mut shared = fe;
+            shared.offset = (fe.offset.get() + (s - foff)).into();
+            shared.num_bytes = (e - s).into();
+            self.put_extent(dst, doff + (s - soff), &shared)?;
+            self.store
+                .data_ref(fe.disk_bytenr.get(), fe.disk_len.get(), 1);
+            nbytes += e - s;
+        }
+        let now = Timespec::now();
+        di.nbytes = nbytes.into();
+        if doff + done > di.size.get() {
+            di.size = (doff + done).into();
+        }
+        di.mtime = now;
+        di.ctime = now;
+        self.put_inode(dst, &mut di)?;
+        self.store.log.mark_data(dst);
+        Ok(done)
     }
 
     /// Allocates `len` bytes of data space as one or more extents; all or nothing.
@@ -234,8 +375,7 @@ impl Inner {
                 offset: 0.into(),
                 num_bytes: got.into(),
             };
-            self.store
-                .insert(tree::FS, extent_key(ino, pos), fe.as_bytes().to_vec())?;
+            self.put_extent(ino, pos, &fe)?;
             self.store.data_ref(addr, got, 1);
             nbytes += got;
             pos += got;
@@ -435,8 +575,7 @@ impl Inner {
                         offset: 0.into(),
                         num_bytes: got.into(),
                     };
-                    self.store
-                        .insert(tree::FS, extent_key(ino, s), fe.as_bytes().to_vec())?;
+                    self.put_extent(ino, s, &fe)?;
                     self.store.data_ref(addr, got, 1);
                     i.nbytes = (i.nbytes.get() + got).into();
                     s += got;

@@ -329,6 +329,7 @@ impl Inner {
     pub(crate) fn free_inode(&mut self, ino: u64) -> Result<()> {
         self.cache.discard(ino, 0);
         self.pending.remove(&ino);
+        self.maps.forget(ino);
         let start = Key::new(ino, 0, 0);
         let end = Key::new(ino + 1, 0, 0);
         loop {

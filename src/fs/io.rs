@@ -12,11 +12,12 @@
 //! lock and before `commit_lock`). Writers do not take it: writeback clears the dirty
 //! bits of what it copies, and a block dirtied again meanwhile is simply written again
 //! later. Truncate, hole punching and preallocation take both the file lock and the
-//! writeback lock, write back, and drop the folios they change.
+//! writeback lock, write back, and drop the folios they change. Cloning takes those
+//! of both files, each pair in shard order, and drops the target's folios.
 
 use std::sync::Arc;
 
-use super::Fs;
+use super::{Fs, FILE_LOCK_SHARDS};
 use crate::cache::CachedFolio;
 use crate::error::{Error, Result};
 use crate::format::{BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
@@ -26,6 +27,16 @@ const BS: u64 = BLOCK_SIZE;
 
 /// Most dirty bytes one writeback pass takes from the cache before writing them.
 const WB_CHUNK: u64 = 8 << 20;
+
+/// Most extents one clone step shares under the fs lock.
+const CLONE_STEP_EXTENTS: usize = 512;
+
+/// Most bytes one copy_file_range copies by reading and writing (a short copy is
+/// allowed; callers loop).
+const COPY_MAX: u64 = 64 << 20;
+
+/// Byte chunk of such a copy.
+const COPY_CHUNK: u64 = 1 << 20;
 
 /// Contiguous dirty blocks taken from the cache, with where they came from.
 struct DirtyRun {
@@ -509,6 +520,168 @@ impl Fs {
         self.writeback_locked(ino, u64::MAX)?;
         self.cache.discard(ino, invalidate_from);
         Ok(())
+    }
+
+    /// Shares `len` bytes of `src` at `src_off` into `dst` at `dst_off` without copying
+    /// them (a reflink, like FICLONERANGE): later writes to either file un-share only
+    /// the blocks they write. Offsets must be block aligned, and `len` too unless the
+    /// range ends at the end of `src`; 0 means up to the end of `src`. Returns the
+    /// bytes cloned.
+    pub fn clone_range(
+        &self,
+        src: u64,
+        src_off: u64,
+        dst: u64,
+        dst_off: u64,
+        len: u64,
+    ) -> Result<u64> {
+        self.copy_range(src, src_off, dst, dst_off, len, true)
+    }
+
+    /// copy_file_range(2): copies up to `len` bytes of `src` at `src_off` to `dst` at
+    /// `dst_off`, sharing the whole blocks when both offsets sit at the same place in
+    /// a block and copying the rest. Stops at the end of `src`; returns the bytes done
+    /// (fewer than asked when a byte copy reached its per-call bound).
+    pub fn copy_file_range(
+        &self,
+        src: u64,
+        src_off: u64,
+        dst: u64,
+        dst_off: u64,
+        len: u64,
+    ) -> Result<u64> {
+        if len == 0 {
+            return Ok(0);
+        }
+        self.copy_range(src, src_off, dst, dst_off, len, false)
+    }
+
+    fn copy_range(
+        &self,
+        src: u64,
+        soff: u64,
+        dst: u64,
+        doff: u64,
+        len: u64,
+        clone_only: bool,
+    ) -> Result<u64> {
+        let ssize = self.with(|i| {
+            i.check_file(dst)?;
+            Ok(i.check_file(src)?.size.get())
+        })?;
+        if clone_only && (soff % BS != 0 || doff % BS != 0) {
+            return Err(Error::Invalid("clone offsets must be block aligned"));
+        }
+        if soff >= ssize {
+            return Ok(0);
+        }
+        let len = if len == 0 {
+            ssize - soff
+        } else {
+            len.min(ssize - soff)
+        };
+        if src == dst && soff < doff + len && doff < soff + len {
+            return Err(Error::Invalid("overlapping ranges of one file"));
+        }
+        if doff.checked_add(len).is_none_or(|e| e > MAX_FILE_SIZE) {
+            return Err(Error::TooBig);
+        }
+        // Whole blocks are shared when both ranges reach them at the same point;
+        // the bytes before and after them are copied.
+        let head = if soff % BS == doff % BS {
+            ((BS - soff % BS) % BS).min(len)
+        } else {
+            len
+        };
+        let mid = (len - head) / BS * BS;
+        let tail = len - head - mid;
+        if clone_only && ((tail != 0 && soff + len != ssize) || head != 0) {
+            return Err(Error::Invalid("clone length must be block aligned"));
+        }
+        let mut done = self.copy_bytes(src, soff, dst, doff, head.min(COPY_MAX))?;
+        if done < head {
+            return Ok(done);
+        }
+        if mid > 0 {
+            done += self.clone_whole_blocks(src, soff + done, dst, doff + done, mid)?;
+        }
+        if tail > 0 && done == head + mid {
+            done += self.copy_bytes(src, soff + done, dst, doff + done, tail)?;
+        }
+        Ok(done)
+    }
+
+    /// Copies `len` bytes by reading and writing through the cache.
+    fn copy_bytes(&self, src: u64, soff: u64, dst: u64, doff: u64, len: u64) -> Result<u64> {
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(COPY_CHUNK);
+            let data = self.read(src, soff + done, n as u32)?;
+            if data.is_empty() {
+                break;
+            }
+            let w = self.write(dst, doff + done, &data)?;
+            done += w as u64;
+            if w < data.len() {
+                break;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Shares the block-aligned `[soff, soff + len)` of `src` at `doff` of `dst`, with
+    /// both files' locks held; returns the bytes shared.
+    fn clone_whole_blocks(
+        &self,
+        src: u64,
+        soff: u64,
+        dst: u64,
+        doff: u64,
+        len: u64,
+    ) -> Result<u64> {
+        let shard = |ino: u64| (ino % FILE_LOCK_SHARDS as u64) as usize;
+        let (a, b) = (shard(src).min(shard(dst)), shard(src).max(shard(dst)));
+        let _f1 = self.file_locks[a].write();
+        let _f2 = (a != b).then(|| self.file_locks[b].write());
+        let _w1 = self.wb_locks[a].lock();
+        let _w2 = (a != b).then(|| self.wb_locks[b].lock());
+        // The trees must hold both files' latest data: the source's is what gets
+        // shared, and the target's dirty blocks must not land over the clone later.
+        self.writeback_locked(src, u64::MAX)?;
+        if dst != src {
+            self.writeback_locked(dst, u64::MAX)?;
+        }
+        let mut done = 0;
+        let mut res = Ok(());
+        while done < len {
+            match self.with_space(|i| {
+                i.clone_blocks(
+                    src,
+                    soff + done,
+                    dst,
+                    doff + done,
+                    len - done,
+                    CLONE_STEP_EXTENTS,
+                )
+            }) {
+                Ok(n) => done += n,
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            }
+        }
+        // The target's cached folios from the clone on show what it replaced.
+        self.cache.discard(dst, doff / self.cache.folio_size());
+        Stats::add(&self.stats.cloned_bytes, done);
+        match res {
+            Err(e) if done == 0 => Err(e),
+            Err(e) => {
+                tracing::warn!("short clone into inode {dst} at {}: {e}", doff + done);
+                Ok(done)
+            }
+            Ok(()) => Ok(done),
+        }
     }
 
     /// Changes attributes; size changes truncate or extend the file.

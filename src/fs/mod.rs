@@ -149,6 +149,8 @@ pub(crate) struct Inner {
     pending: HashMap<u64, PendingAttr>,
     /// The page cache, to drop the folios of freed inodes.
     cache: Arc<PageCache>,
+    /// Extent maps of the files used lately (seed 2).
+    maps: crate::extent_map::MapCache,
 }
 
 /// A mounted birchfs: the library's front door. All methods are thread-safe.
@@ -183,6 +185,7 @@ impl Fs {
             next_ino: objectid::FIRST_FREE,
             pins: HashMap::new(),
             pending: HashMap::new(),
+            maps: Default::default(),
             cache: Arc::new(PageCache::new(CacheOptions {
                 cache_size: 1 << 20,
                 ..Default::default()
@@ -205,6 +208,7 @@ impl Fs {
             next_ino: 0,
             pins: HashMap::new(),
             pending: HashMap::new(),
+            maps: Default::default(),
             cache: cache.clone(),
         };
         let replayed = inner.replay_log()?;
@@ -693,6 +697,8 @@ impl Inner {
             Ok::<(), crate::Error>(())
         })();
         st.readonly = ro;
+        // The replayed changes went to the trees alone.
+        self.maps = Default::default();
         r?;
         tracing::info!("replayed {} log batches", batches.len());
         Ok(batches.len())
@@ -711,5 +717,7 @@ impl Inner {
 
 #[cfg(test)]
 mod cache_tests;
+#[cfg(test)]
+mod reflink_tests;
 #[cfg(test)]
 mod tests;
