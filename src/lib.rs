@@ -23,7 +23,7 @@ pub mod format;
 mod fs;
 pub mod fuse;
 mod log;
-mod refs;
+pub mod refs;
 pub mod skiplist;
 mod stats;
 mod txn;

@@ -58,7 +58,8 @@ impl Preds {
 /// The ordered map; a node is named by its arena index, stable while it lives.
 #[derive(Debug, Clone)]
 pub struct SkipList<N> {
-    nodes: Vec<Option<N>>,
+    /// The records; a freed slot keeps its old record until it is reused.
+    nodes: Vec<N>,
     free: Vec<u32>,
     head: Links,
     level: usize,
@@ -66,7 +67,7 @@ pub struct SkipList<N> {
     rng: u64,
 }
 
-impl<N: Linked> Default for SkipList<N> {
+impl<N: Linked + Clone> Default for SkipList<N> {
     fn default() -> Self {
         SkipList {
             nodes: Vec::new(),
@@ -82,7 +83,7 @@ impl<N: Linked> Default for SkipList<N> {
     }
 }
 
-impl<N: Linked> SkipList<N> {
+impl<N: Linked + Clone> SkipList<N> {
     /// Number of records.
     pub fn len(&self) -> usize {
         self.len
@@ -111,16 +112,12 @@ impl<N: Linked> SkipList<N> {
 
     /// The record at `at`, which must be live.
     pub fn node(&self, at: u32) -> &N {
-        self.nodes[at as usize]
-            .as_ref()
-            .expect("live skip list node")
+        &self.nodes[at as usize]
     }
 
     /// The record at `at`, to change (not its key's order).
     pub fn node_mut(&mut self, at: u32) -> &mut N {
-        self.nodes[at as usize]
-            .as_mut()
-            .expect("live skip list node")
+        &mut self.nodes[at as usize]
     }
 
     /// The node after `at` (`None` at the end).
@@ -213,11 +210,11 @@ impl<N: Linked> SkipList<N> {
         *node.links_mut() = links;
         let at = match self.free.pop() {
             Some(i) => {
-                self.nodes[i as usize] = Some(node);
+                self.nodes[i as usize] = node;
                 i
             }
             None => {
-                self.nodes.push(Some(node));
+                self.nodes.push(node);
                 (self.nodes.len() - 1) as u32
             }
         };
@@ -248,7 +245,16 @@ impl<N: Linked> SkipList<N> {
         }
         self.len -= 1;
         self.free.push(at);
-        self.nodes[at as usize].take()
+        Some(self.nodes[at as usize].clone())
+    }
+
+    /// Removes every record, keeping the arena's memory.
+    pub fn clear(&mut self) {
+        self.nodes.clear();
+        self.free.clear();
+        self.head.next = [NIL; MAX_LEVEL];
+        self.level = 1;
+        self.len = 0;
     }
 
     /// Every node in key order.
