@@ -1134,9 +1134,13 @@ def write_report(res, outdir):
 
 def charts(res, outdir):
     """Writes the PNGs; a chart that cannot be drawn (e.g. a partial run) is logged and skipped."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log(f"no charts: {sys.executable} has no matplotlib (make bench uses /usr/bin/python3)")
+        return
     for name in ("throughput", "fsync_latency", "files_per_s"):
         (outdir / f"{name}.png").unlink(missing_ok=True)  # no stale chart from an earlier run
     for name, fn in (("throughput", chart_throughput), ("fsync_latency", chart_latency),

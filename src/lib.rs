@@ -32,6 +32,6 @@ pub use cache::{default_cache_size, CacheOptions};
 pub use error::{Error, Result};
 pub use fs::{
     Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions, Options,
-    RenameFlags, SetAttr, StatFs, TimeSet, ROOT_INO,
+    RenameFlags, SetAttr, SpaceUsage, StatFs, TimeSet, ROOT_INO,
 };
 pub use stats::{Histogram, LatencySummary, Stats, StatsSnapshot};

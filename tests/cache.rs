@@ -157,6 +157,8 @@ fn cache_mount_options_are_checked() {
         ("cache_size=64K", "cache_size"),
         ("cache_size=lots", "cache_size"),
         ("block_dirty=maybe", "unknown mount option"),
+        ("threads=0", "threads=0"),
+        ("threads=many", "threads=many"),
     ] {
         let out = m.try_mount(&[opt]);
         assert!(!out.status.success(), "{opt} was accepted");
@@ -169,9 +171,11 @@ fn cache_mount_options_are_checked() {
         "folio_size=16K",
         "dirty_expire=5",
         "block_dirty=off",
+        "threads=1",
     ]);
     let p = m.path("f");
     fs::write(&p, b"hello").unwrap();
+    fs::File::open(&p).unwrap().sync_all().unwrap();
     m.remount();
     assert_eq!(fs::read(&p).unwrap(), b"hello");
     m.unmount();

@@ -37,6 +37,23 @@ fn cloned_bytes(m: &Mount) -> u64 {
         .unwrap()
 }
 
+/// `birchfs stats --space`: (exclusive, shared) data bytes.
+fn space(m: &Mount) -> (u64, u64) {
+    let out = birchfs(["stats", "--space", "--json", m.root().to_str().unwrap()]);
+    assert!(out.status.success(), "stats --space: {}", describe(&out));
+    let json = String::from_utf8_lossy(&out.stdout).to_string();
+    let field = |name: &str| -> u64 {
+        let at = json.find(&format!("\"{name}\":")).expect(name) + name.len() + 3;
+        json[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    (field("exclusive"), field("shared"))
+}
+
 fn sync_fs(m: &Mount) {
     // FUSE passes no syncfs; an fsync of the root makes everything so far durable.
     File::open(m.root()).unwrap().sync_all().unwrap();
@@ -75,6 +92,12 @@ fn cp_on_a_mount_shares_the_data_and_writes_unshare_only_their_blocks() {
     let used = free.saturating_sub(free_bytes(&m));
     assert!(used < 4 * MB as u64, "cp of 32 MiB used {used} bytes");
     assert!(cloned_bytes(&m) >= 32 * MB as u64, "cp went through clone");
+    let (exclusive, shared) = space(&m);
+    assert_eq!(shared, 32 * MB as u64, "src and dst share every byte");
+    assert!(
+        exclusive < MB as u64,
+        "nothing else was written: {exclusive}"
+    );
     assert_eq!(fs::read(m.path("dst")).unwrap(), want);
     // A write to the copy changes the copy only and costs about what it wrote.
     let before = free_bytes(&m);

@@ -9,6 +9,7 @@ mod dir;
 mod file;
 mod inode;
 mod io;
+mod space;
 mod xattr;
 
 use std::collections::HashMap;
@@ -26,6 +27,7 @@ use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
 
 pub use inode::{Attr, FileKind, SetAttr, TimeSet};
+pub use space::SpaceUsage;
 
 /// Mount-time options of the engine.
 #[derive(Debug, Clone)]
