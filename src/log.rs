@@ -322,6 +322,20 @@ impl LogBuffer {
     }
 }
 
+/// Whether a log area whose first block is `first` holds batches of `generation`: only
+/// then is the rest worth reading.
+pub(crate) fn starts_a_log(first: &[u8], fsid: &[u8; 16], generation: u64) -> bool {
+    match BatchHeader::read_from_prefix(first) {
+        Ok((h, _)) => {
+            h.magic == LOG_MAGIC
+                && &h.fsid == fsid
+                && h.generation.get() == generation
+                && h.seq.get() == 0
+        }
+        Err(_) => false,
+    }
+}
+
 /// Parses the batches of `generation` in a log area image, in order, stopping at the
 /// first that is not whole; returns the records of each batch.
 pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64) -> Vec<Vec<LogOp>> {

@@ -82,8 +82,12 @@ fn random_fsid() -> [u8; 16] {
     id
 }
 
+/// The log area: 1/32 of the device, from 1 MiB up to the 62 MiB that fit between its
+/// start (1 MiB) and the second superblock copy (64 MiB). A commit empties it when it is
+/// half full, so a larger log means fewer commits under a stream of fsyncs (each commit
+/// rewrites every tree node changed since the last: W3's metadata write amplification).
 fn log_len_for(size: u64) -> u64 {
-    (size / 32).clamp(1 << 20, 32 << 20) & !4095
+    (size / 32).clamp(1 << 20, 62 << 20) & !4095
 }
 
 fn reserve_for(size: u64) -> u64 {

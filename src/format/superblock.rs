@@ -144,7 +144,8 @@ impl Superblock {
         if sb.total_bytes < super::MIN_DEVICE_SIZE
             || sb.log_start != super::LOG_START
             || sb.log_len % super::BLOCK_SIZE != 0
-            || sb.log_len > (64 << 20)
+            // The log ends before the second superblock copy.
+            || sb.log_len > super::SUPER_OFFSETS[1] - super::LOG_START
             || data_start.is_none_or(|d| d >= sb.total_bytes)
             || sb.root_tree % super::BLOCK_SIZE != 0
             || sb.root_tree < data_start.unwrap_or(u64::MAX)

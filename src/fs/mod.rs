@@ -661,6 +661,13 @@ impl Inner {
     /// last commit) to the trees; returns how many. See `log`.
     fn replay_log(&mut self) -> Result<usize> {
         let st = &mut self.store;
+        // After a clean unmount the log of the running generation is empty: one block
+        // tells.
+        let mut first = vec![0u8; (crate::format::BLOCK_SIZE as usize).min(st.sb.log_len as usize)];
+        st.dev.read_at(&mut first, st.sb.log_start)?;
+        if !crate::log::starts_a_log(&first, &st.sb.fsid, st.generation) {
+            return Ok(0);
+        }
         let mut area = vec![0u8; st.sb.log_len as usize];
         st.dev.read_at(&mut area, st.sb.log_start)?;
         let dev = st.dev.clone();
