@@ -3,25 +3,13 @@
 
 use std::sync::Arc;
 
+use super::tests::{mk, remount};
 use super::*;
 use crate::dev::MemDev;
 use crate::error::Error;
 
 const MB: u64 = 1 << 20;
 const BS: u64 = 4096;
-
-fn mk(size: u64) -> (Arc<MemDev>, Fs) {
-    let dev = Arc::new(MemDev::new(size));
-    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
-    (dev, fs)
-}
-
-fn remount(dev: &Arc<MemDev>, fs: Fs) -> Fs {
-    fs.unmount().unwrap();
-    let dev2 = Arc::new(MemDev::from_image(dev.image()));
-    Fs::open(dev2, Options::default()).unwrap()
-}
 
 fn file(fs: &Fs, name: &[u8]) -> u64 {
     let c = Creds { uid: 0, gid: 0 };

@@ -8,14 +8,14 @@ use crate::error::Error;
 
 const MB: u64 = 1 << 20;
 
-fn mk(size: u64) -> (Arc<MemDev>, Fs) {
+pub(super) fn mk(size: u64) -> (Arc<MemDev>, Fs) {
     let dev = Arc::new(MemDev::new(size));
     Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
     let fs = Fs::open(dev.clone(), Options::default()).unwrap();
     (dev, fs)
 }
 
-fn remount(dev: &Arc<MemDev>, fs: Fs) -> Fs {
+pub(super) fn remount(dev: &Arc<MemDev>, fs: Fs) -> Fs {
     fs.unmount().unwrap();
     let dev2 = Arc::new(MemDev::from_image(dev.image()));
     Fs::open(dev2, Options::default()).unwrap()
