@@ -432,10 +432,17 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read(to_ino(ino), offset, size) {
-            Ok(d) => reply.data(&d),
-            Err(e) => reply.error(errno(&e)),
+        thread_local! {
+            /// Each request thread's reply buffer, kept across reads.
+            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
+        BUF.with(|b| {
+            let mut b = b.borrow_mut();
+            match self.fs.read_into(to_ino(ino), offset, size, &mut b) {
+                Ok(()) => reply.data(&b),
+                Err(e) => reply.error(errno(&e)),
+            }
+        })
     }
 
     fn write(

@@ -295,3 +295,25 @@ fn sequential_reads_read_ahead_and_random_reads_do_not() {
     );
     assert_eq!(fs.stats().dev_read_bytes, 4096);
 }
+
+#[test]
+fn read_into_a_reused_buffer_replaces_its_contents() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (_dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"f");
+    let data = pattern(300_000, 9);
+    fs.write(ino, 0, &data).unwrap();
+    // A hole after the data, then more data.
+    fs.write(ino, 400_000, b"tail").unwrap();
+    let mut buf = vec![0xee; 1 << 20];
+    fs.read_into(ino, 1000, 500_000, &mut buf).unwrap();
+    assert_eq!(buf.len(), 400_004 - 1000);
+    assert_eq!(&buf[..299_000], &data[1000..]);
+    assert!(
+        buf[299_000..399_000].iter().all(|&b| b == 0),
+        "the hole reads as zeros"
+    );
+    assert_eq!(&buf[399_000..], b"tail");
+    fs.read_into(ino, 500_000, 10, &mut buf).unwrap();
+    assert!(buf.is_empty(), "past the end: nothing");
+}

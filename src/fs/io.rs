@@ -192,10 +192,20 @@ impl Fs {
     /// so no writeback moves them meanwhile, and the file's lock (shared) keeps writes,
     /// truncates and hole punches of this file out until the read is done.
     pub fn read(&self, ino: u64, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.read_into(ino, offset, size, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Fs::read`] into `out` (its contents replaced), so that a caller can keep one
+    /// buffer for many reads: a fresh large buffer per read costs a page fault per
+    /// 4 KiB (the FUSE server reuses one per thread).
+    pub fn read_into(&self, ino: u64, offset: u64, size: u32, out: &mut Vec<u8>) -> Result<()> {
+        out.clear();
         let _f = self.file_lock(ino).read();
         let fsize = self.with(|i| i.check_file(ino).map(|it| it.size.get()))?;
         if offset >= fsize || size == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let end = (offset + size as u64).min(fsize);
         let cache = &self.cache;
@@ -240,7 +250,7 @@ impl Fs {
         }
         self.fill_missing(ino, &missing)?;
         drop(missing);
-        let mut out = vec![0u8; (end - offset) as usize];
+        out.resize((end - offset) as usize, 0);
         for (idx, f) in &held {
             let fstart = idx * fsz;
             let s = offset.max(fstart);
@@ -251,8 +261,7 @@ impl Fs {
         }
         Stats::add(&self.stats.user_read_bytes, out.len() as u64);
         drop(held);
-        self.balance(ino)?;
-        Ok(out)
+        self.balance(ino)
     }
 
     /// Reads the `missing` blocks of `ino` from the device into their folios, one
