@@ -34,6 +34,8 @@ enum Op {
     Chmod(String, u32),
     Fsync(String),
     Fdatasync(String),
+    /// clone_range of the whole first file over the start of the second.
+    Clone(String, String),
     Sync,
 }
 
@@ -96,6 +98,7 @@ impl Model {
                 self.is_file(p)
             }
             Op::Link(a, b) => self.is_file(a) && free(b),
+            Op::Clone(a, b) => self.is_file(a) && self.is_file(b) && self.names[a] != self.names[b],
             Op::Unlink(p) => self.is_file(p),
             Op::Rmdir(p) => p != "/" && self.is_dir(p) && self.children(p).is_empty(),
             Op::Rename(a, b) => self.is_file(a) && (free(b) || self.is_file(b)) && a != b,
@@ -156,6 +159,14 @@ impl Model {
             Op::Link(a, b) => {
                 let id = self.names[a];
                 self.names.insert(b.clone(), id);
+            }
+            Op::Clone(a, b) => {
+                let src = self.nodes[&self.names[a]].data.clone();
+                let d = &mut self.nodes.get_mut(&self.names[b]).unwrap().data;
+                if d.len() < src.len() {
+                    d.resize(src.len(), 0);
+                }
+                d[..src.len()].copy_from_slice(&src);
             }
             Op::Unlink(p) | Op::Rmdir(p) => {
                 self.names.remove(p);
@@ -266,6 +277,9 @@ fn exec(fs: &Fs, op: &Op) {
         Op::Link(a, b) => {
             let (d, n) = split(b);
             fs.link(ino(a), ino(&d), n).unwrap();
+        }
+        Op::Clone(a, b) => {
+            fs.clone_range(ino(a), 0, ino(b), 0, 0).unwrap();
         }
         Op::Unlink(p) => {
             let (d, n) = split(p);
@@ -753,6 +767,23 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "clone, fsync of the clone, then writes to both",
+            vec![
+                Create(s("/a")),
+                Write(s("/a"), 0, 300_000, 20),
+                Sync,
+                Create(s("/b")),
+                Write(s("/b"), 0, 5000, 21),
+                Clone(s("/a"), s("/b")),
+                Fsync(s("/b")),
+                Write(s("/a"), 4096, 100, 22),
+                Write(s("/b"), 200_000, 100, 23),
+                Fsync(s("/a")),
+                Clone(s("/b"), s("/a")),
+                Fdatasync(s("/a")),
+            ],
+        ),
+        (
             "large overwrite",
             vec![
                 Create(s("/f")),
@@ -814,7 +845,7 @@ fn generated_sequences_survive_every_power_cut() {
             tries += 1;
             let f = s(files[rng.gen_range(0..files.len())]);
             let g = s(files[rng.gen_range(0..files.len())]);
-            let op = match rng.gen_range(0..10) {
+            let op = match rng.gen_range(0..11) {
                 0 => Op::Create(f),
                 1 => Op::Write(
                     f,
@@ -829,12 +860,13 @@ fn generated_sequences_survive_every_power_cut() {
                 6 => Op::Punch(f, rng.gen_range(0..20000), rng.gen_range(1..10000)),
                 7 => Op::SetXattr(f, "user.k", vec![rng.gen(); 40]),
                 8 => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
+                9 => Op::Clone(f, g),
                 _ => Op::Rmdir(s("/d")),
             };
             if m.valid(&op) {
                 m.apply(&op);
                 let target = match &op {
-                    Op::Link(_, b) | Op::Rename(_, b) => b.clone(),
+                    Op::Link(_, b) | Op::Rename(_, b) | Op::Clone(_, b) => b.clone(),
                     Op::Create(p)
                     | Op::Write(p, ..)
                     | Op::Truncate(p, _)
