@@ -325,14 +325,17 @@ impl LogBuffer {
 /// Whether a log area whose first block is `first` holds batches of `generation`: only
 /// then is the rest worth reading.
 pub(crate) fn starts_a_log(first: &[u8], fsid: &[u8; 16], generation: u64) -> bool {
-    match BatchHeader::read_from_prefix(first) {
-        Ok((h, _)) => {
-            h.magic == LOG_MAGIC
-                && &h.fsid == fsid
-                && h.generation.get() == generation
-                && h.seq.get() == 0
-        }
-        Err(_) => false,
+    BatchHeader::read_from_prefix(first).is_ok_and(|(h, _)| h.names(fsid, generation, 0))
+}
+
+impl BatchHeader {
+    /// Whether this is the header of batch `seq` of `generation` of this filesystem
+    /// (the payload's checksum is checked apart).
+    fn names(&self, fsid: &[u8; 16], generation: u64, seq: u64) -> bool {
+        self.magic == LOG_MAGIC
+            && &self.fsid == fsid
+            && self.generation.get() == generation
+            && self.seq.get() == seq
     }
 }
 
@@ -346,11 +349,7 @@ pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64) -> Vec<Vec<Lo
         let Ok((h, _)) = BatchHeader::read_from_prefix(&area[off..]) else {
             break;
         };
-        if h.magic != LOG_MAGIC
-            || &h.fsid != fsid
-            || h.generation.get() != generation
-            || h.seq.get() != seq
-        {
+        if !h.names(fsid, generation, seq) {
             break;
         }
         let plen = h.payload_len.get() as usize;

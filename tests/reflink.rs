@@ -25,10 +25,13 @@ fn free_bytes(m: &Mount) -> u64 {
     s.f_bfree * s.f_bsize as u64
 }
 
-fn cloned_bytes(m: &Mount) -> u64 {
-    let out = birchfs(["stats", "--json", m.root().to_str().unwrap()]);
-    let json = String::from_utf8_lossy(&out.stdout).to_string();
-    let at = json.find("\"cloned\":").expect("cloned in stats") + 9;
+/// The number after `"name":` in a flat JSON text.
+fn json_u64(json: &str, name: &str) -> u64 {
+    let key = format!("\"{name}\":");
+    let at = json
+        .find(&key)
+        .unwrap_or_else(|| panic!("{name} in {json}"))
+        + key.len();
     json[at..]
         .split(|c: char| !c.is_ascii_digit())
         .next()
@@ -37,21 +40,27 @@ fn cloned_bytes(m: &Mount) -> u64 {
         .unwrap()
 }
 
+fn cloned_bytes(m: &Mount) -> u64 {
+    let out = birchfs(["stats", "--json", m.root().to_str().unwrap()]);
+    json_u64(&String::from_utf8_lossy(&out.stdout), "cloned")
+}
+
 /// `birchfs stats --space`: (exclusive, shared) data bytes.
 fn space(m: &Mount) -> (u64, u64) {
     let out = birchfs(["stats", "--space", "--json", m.root().to_str().unwrap()]);
     assert!(out.status.success(), "stats --space: {}", describe(&out));
-    let json = String::from_utf8_lossy(&out.stdout).to_string();
-    let field = |name: &str| -> u64 {
-        let at = json.find(&format!("\"{name}\":")).expect(name) + name.len() + 3;
-        json[at..]
-            .split(|c: char| !c.is_ascii_digit())
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
-    (field("exclusive"), field("shared"))
+    let json = String::from_utf8_lossy(&out.stdout);
+    (json_u64(&json, "exclusive"), json_u64(&json, "shared"))
+}
+
+/// `cp FROM TO` on the mount; the copy must succeed.
+fn cp(m: &Mount, from: &str, to: &str) {
+    let out = Command::new("cp")
+        .arg(m.path(from))
+        .arg(m.path(to))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "cp: {}", describe(&out));
 }
 
 fn sync_fs(m: &Mount) {
@@ -82,12 +91,7 @@ fn cp_on_a_mount_shares_the_data_and_writes_unshare_only_their_blocks() {
     File::open(&src).unwrap().sync_all().unwrap();
     sync_fs(&m);
     let free = free_bytes(&m);
-    let out = Command::new("cp")
-        .arg(&src)
-        .arg(m.path("dst"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "cp: {}", describe(&out));
+    cp(&m, "src", "dst");
     sync_fs(&m);
     let used = free.saturating_sub(free_bytes(&m));
     assert!(used < 4 * MB as u64, "cp of 32 MiB used {used} bytes");
@@ -182,12 +186,7 @@ fn an_fsynced_copy_survives_a_kill_of_the_daemon() {
     let want = data(8, 4);
     fs::write(m.path("src"), &want).unwrap();
     sync_fs(&m);
-    let out = Command::new("cp")
-        .arg(m.path("src"))
-        .arg(m.path("dst"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "cp: {}", describe(&out));
+    cp(&m, "src", "dst");
     File::open(m.path("dst")).unwrap().sync_all().unwrap();
     File::open(m.root()).unwrap().sync_data().unwrap();
     m.kill_daemon();

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::{Fs, FILE_LOCK_SHARDS};
+use super::Fs;
 use crate::cache::CachedFolio;
 use crate::error::{Error, Result};
 use crate::format::{BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
@@ -53,6 +53,16 @@ struct Missing {
     off: u64,
     a: usize,
     b: usize,
+}
+
+/// Two locks of one shard table in table order; the second is `None` when both are
+/// the same lock (two inodes of one shard).
+fn in_order<'a, T>(a: &'a T, b: &'a T) -> (&'a T, Option<&'a T>) {
+    match (a as *const T).cmp(&(b as *const T)) {
+        std::cmp::Ordering::Equal => (a, None),
+        std::cmp::Ordering::Less => (a, Some(b)),
+        std::cmp::Ordering::Greater => (b, Some(a)),
+    }
 }
 
 /// Groups sorted block numbers into runs `[a, b)`.
@@ -648,12 +658,13 @@ impl Fs {
         doff: u64,
         len: u64,
     ) -> Result<u64> {
-        let shard = |ino: u64| (ino % FILE_LOCK_SHARDS as u64) as usize;
-        let (a, b) = (shard(src).min(shard(dst)), shard(src).max(shard(dst)));
-        let _f1 = self.file_locks[a].write();
-        let _f2 = (a != b).then(|| self.file_locks[b].write());
-        let _w1 = self.wb_locks[a].lock();
-        let _w2 = (a != b).then(|| self.wb_locks[b].lock());
+        // Each pair in one order (their place in the shard table), each lock once.
+        let (f1, f2) = in_order(self.file_lock(src), self.file_lock(dst));
+        let _f1 = f1.write();
+        let _f2 = f2.map(|l| l.write());
+        let (w1, w2) = in_order(self.wb_lock(src), self.wb_lock(dst));
+        let _w1 = w1.lock();
+        let _w2 = w2.map(|l| l.lock());
         // The trees must hold both files' latest data: the source's is what gets
         // shared, and the target's dirty blocks must not land over the clone later.
         self.writeback_locked(src, u64::MAX)?;
