@@ -14,9 +14,10 @@ use zerocopy::FromBytes;
 use crate::dev::BlockDev;
 use crate::error::Result;
 use crate::format::{
-    decode_dir_entries, decode_inode_refs, decode_node, decode_xattrs, kind, objectid, tree,
-    ExtentItem, FileExtent, InodeItem, Key, NodeBody, RootItem, Superblock, EXTENT_FLAG_DATA,
-    EXTENT_FLAG_TREE, FILE_EXTENT_PREALLOC, MAGIC, SUPER_OFFSETS, SUPER_SIZE,
+    decode_dir_entries, decode_inode_refs, decode_node, decode_xattrs, kind, objectid, root_flag,
+    tree, ExtentItem, FileExtent, InodeItem, Key, NodeBody, RootItem, SnapshotItem, SnapshotMeta,
+    Superblock, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, FILE_EXTENT_PREALLOC, MAGIC, SUPER_OFFSETS,
+    SUPER_SIZE,
 };
 use crate::txn::Store;
 
@@ -60,8 +61,25 @@ struct Walker<'a> {
     dev: &'a dyn BlockDev,
     sb: Superblock,
     rep: Report,
-    /// Tree node address -> references seen.
+    /// Tree node address -> references seen (parent pointers and roots, in all trees).
     node_refs: HashMap<u64, u64>,
+    /// Nodes whose own references (children, file extents) have been counted: a node
+    /// shared by several trees counts them once.
+    entered: HashSet<u64>,
+    /// File extents of the leaves counted, each leaf once.
+    counted_extents: Vec<(Key, FileExtent)>,
+}
+
+/// How to walk one tree.
+struct Walk {
+    /// Owner every node must carry (the fs tree for snapshots).
+    owner: u64,
+    /// Tree id, for messages.
+    label: u64,
+    /// Whether to return the leaf items (a dropped tree's are not needed).
+    collect: bool,
+    /// For a snapshot being dropped: subtrees wholly below this key are gone.
+    progress: Option<Key>,
 }
 
 impl Walker<'_> {
@@ -73,76 +91,95 @@ impl Walker<'_> {
 
     /// Walks a tree, returning its leaf items in key order (unreadable subtrees are
     /// reported and skipped).
-    fn walk(&mut self, root: u64, level: u8, owner: u64, gen: Option<u64>) -> Vec<(Key, Vec<u8>)> {
+    fn walk(&mut self, root: u64, level: u8, gen: Option<u64>, wk: &Walk) -> Vec<(Key, Vec<u8>)> {
         let mut out = Vec::new();
-        self.walk_rec(root, level, owner, gen, Key::MIN, None, &mut out);
+        let mut in_tree = HashSet::new();
+        self.walk_rec(
+            root,
+            level,
+            gen,
+            (Key::MIN, None),
+            true,
+            wk,
+            &mut in_tree,
+            &mut out,
+        );
         out
     }
 
+    /// `counting`: this reference counts (the parent's references were not counted
+    /// before, through another tree).
     #[allow(clippy::too_many_arguments)]
     fn walk_rec(
         &mut self,
         addr: u64,
         level: u8,
-        owner: u64,
         gen: Option<u64>,
-        lo: Key,
-        hi: Option<Key>,
+        (lo, hi): (Key, Option<Key>),
+        counting: bool,
+        wk: &Walk,
+        in_tree: &mut HashSet<u64>,
         out: &mut Vec<(Key, Vec<u8>)>,
     ) {
-        let c = self.node_refs.entry(addr).or_default();
-        *c += 1;
-        if *c > 1 {
+        let label = wk.label;
+        if counting {
+            *self.node_refs.entry(addr).or_default() += 1;
+        }
+        if !in_tree.insert(addr) {
             self.problem(format!(
-                "tree {owner}: node {addr:#x} referenced more than once"
+                "tree {label}: node {addr:#x} referenced more than once"
             ));
+            return;
+        }
+        let first = counting && self.entered.insert(addr);
+        if !first && !wk.collect {
             return;
         }
         let ns = self.sb.node_size as usize;
         let data_start = self.sb.log_start + self.sb.log_len;
         if addr % 4096 != 0 || addr < data_start || addr + ns as u64 > self.sb.total_bytes {
             self.problem(format!(
-                "tree {owner}: node address {addr:#x} outside the data area"
+                "tree {label}: node address {addr:#x} outside the data area"
             ));
             return;
         }
         let mut buf = vec![0u8; ns];
         if let Err(e) = self.dev.read_at(&mut buf, addr) {
-            self.problem(format!("tree {owner}: node {addr:#x}: read error {e}"));
+            self.problem(format!("tree {label}: node {addr:#x}: read error {e}"));
             return;
         }
         self.rep.nodes += 1;
         let (h, body) = match decode_node(&buf, addr, &self.sb.fsid) {
             Ok(x) => x,
             Err(e) => {
-                self.problem(format!("tree {owner}: {e}"));
+                self.problem(format!("tree {label}: {e}"));
                 return;
             }
         };
         if h.level != level {
             self.problem(format!(
-                "tree {owner}: node {addr:#x} level {} expected {level}",
+                "tree {label}: node {addr:#x} level {} expected {level}",
                 h.level
             ));
             return;
         }
-        if h.owner != owner {
+        if h.owner != wk.owner {
             self.problem(format!(
-                "tree {owner}: node {addr:#x} owned by tree {}",
+                "tree {label}: node {addr:#x} owned by tree {}",
                 h.owner
             ));
         }
         if let Some(g) = gen {
             if h.generation != g {
                 self.problem(format!(
-                    "tree {owner}: node {addr:#x} generation {} but parent says {g}",
+                    "tree {label}: node {addr:#x} generation {} but parent says {g}",
                     h.generation
                 ));
             }
         }
         if h.generation > self.sb.generation {
             self.problem(format!(
-                "tree {owner}: node {addr:#x} from a future generation {}",
+                "tree {label}: node {addr:#x} from a future generation {}",
                 h.generation
             ));
         }
@@ -154,27 +191,61 @@ impl Walker<'_> {
             || hi.is_some_and(|hi| keys.last().is_some_and(|k| *k >= hi))
         {
             self.problem(format!(
-                "tree {owner}: node {addr:#x} has keys outside its parent's range"
+                "tree {label}: node {addr:#x} has keys outside its parent's range"
             ));
         }
         match body {
-            NodeBody::Leaf(items) => out.extend(items),
+            NodeBody::Leaf(items) => {
+                if first {
+                    for (k, v) in items.iter().filter(|(k, _)| k.ty == kind::EXTENT_DATA) {
+                        match FileExtent::read_from_bytes(v) {
+                            Ok(fe) => self.counted_extents.push((*k, fe)),
+                            Err(_) => self.problem(format!(
+                                "tree {label}: inode {}: malformed file extent at {}",
+                                k.objectid, k.offset
+                            )),
+                        }
+                    }
+                }
+                if wk.collect {
+                    out.extend(items);
+                }
+            }
             NodeBody::Internal(ptrs) => {
                 for (i, (k, child, cgen)) in ptrs.iter().enumerate() {
                     let next = ptrs.get(i + 1).map(|p| p.0).or(hi);
+                    if wk
+                        .progress
+                        .is_some_and(|p| next.is_some_and(|next| next <= p))
+                    {
+                        continue;
+                    }
                     self.walk_rec(
                         *child,
                         level - 1,
-                        owner,
                         Some(*cgen),
-                        (*k).max(lo),
-                        next,
+                        ((*k).max(lo), next),
+                        first,
+                        wk,
+                        in_tree,
                         out,
                     );
                 }
             }
         }
     }
+}
+
+/// A tree's leaf items in key order.
+type Items = Vec<(Key, Vec<u8>)>;
+
+/// File extents among a tree's items.
+fn file_extents_of(items: &[(Key, Vec<u8>)]) -> Vec<(Key, FileExtent)> {
+    items
+        .iter()
+        .filter(|(k, _)| k.ty == kind::EXTENT_DATA)
+        .filter_map(|(k, v)| FileExtent::read_from_bytes(v).ok().map(|fe| (*k, fe)))
+        .collect()
 }
 
 /// Checks the filesystem on `dev`; `Err` only when it cannot be read at all.
@@ -185,6 +256,8 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
         sb: sb.clone(),
         rep: Report::default(),
         node_refs: HashMap::new(),
+        entered: HashSet::new(),
+        counted_extents: Vec::new(),
     };
     for &off in SUPER_OFFSETS
         .iter()
@@ -203,12 +276,42 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
             Ok(_) => {}
         }
     }
-    let root_items = w.walk(sb.root_tree, sb.root_level, tree::ROOT, None);
+    let plain = |id: u64| Walk {
+        owner: id,
+        label: id,
+        collect: true,
+        progress: None,
+    };
+    let root_items = w.walk(sb.root_tree, sb.root_level, None, &plain(tree::ROOT));
     let mut roots = BTreeMap::new();
+    let mut progress: BTreeMap<u64, Key> = BTreeMap::new();
+    let mut snaps: BTreeMap<u64, SnapshotItem> = BTreeMap::new();
+    let mut meta = None;
     for (k, v) in &root_items {
-        match (k.ty, RootItem::read_from_bytes(v)) {
-            (kind::ROOT_ITEM, Ok(r)) => {
-                roots.insert(k.objectid, r);
+        match k.ty {
+            kind::ROOT_ITEM => match RootItem::read_from_bytes(v) {
+                Ok(r) => {
+                    roots.insert(k.objectid, r);
+                }
+                Err(_) => w.problem(format!("root tree: bad item {k:?}")),
+            },
+            kind::DROP_PROGRESS => match Key::decode(&mut crate::format::Reader::new(v)) {
+                Some(p) => {
+                    progress.insert(k.objectid, p);
+                }
+                None => w.problem(format!("root tree: bad drop progress {k:?}")),
+            },
+            kind::SNAPSHOT if k.objectid == objectid::SNAPSHOTS => match SnapshotItem::decode(v) {
+                Some(s) => {
+                    snaps.insert(k.offset, s);
+                }
+                None => w.problem(format!("root tree: bad snapshot item {k:?}")),
+            },
+            kind::SNAPSHOT_META if k.objectid == objectid::SNAPSHOTS => {
+                match SnapshotMeta::read_from_bytes(v) {
+                    Ok(m) => meta = Some(m),
+                    Err(_) => w.problem(format!("root tree: bad snapshot meta {k:?}")),
+                }
             }
             _ => w.problem(format!("root tree: bad item {k:?}")),
         }
@@ -218,47 +321,109 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
         match roots.get(&id) {
             None => w.problem(format!("root tree: tree {id} missing")),
             Some(r) => {
-                let items = w.walk(r.bytenr.get(), r.level, id, Some(r.generation.get()));
+                let items = w.walk(
+                    r.bytenr.get(),
+                    r.level,
+                    Some(r.generation.get()),
+                    &plain(id),
+                );
                 trees.insert(id, items);
             }
         }
+    }
+    // Snapshots, and deleted snapshots part-way through their drop.
+    let mut snap_items: Vec<(u64, Items)> = Vec::new();
+    let mut names = HashSet::new();
+    for (&id, r) in &roots {
+        if [tree::EXTENT, tree::CSUM, tree::FS].contains(&id) {
+            continue;
+        }
+        if id < objectid::FIRST_SNAPSHOT {
+            w.problem(format!("root tree: unknown tree {id}"));
+            continue;
+        }
+        let dead = r.flags.get() & root_flag::DEAD != 0;
+        if let Some(m) = &meta {
+            if id >= m.next_id.get() {
+                w.problem(format!(
+                    "snapshot tree {id} at or past the next id {}",
+                    m.next_id.get()
+                ));
+            }
+        }
+        let wk = Walk {
+            owner: tree::FS,
+            label: id,
+            collect: !dead,
+            progress: if dead {
+                progress.get(&id).copied()
+            } else {
+                None
+            },
+        };
+        if dead {
+            if snaps.contains_key(&id) {
+                w.problem(format!("snapshot {id} is listed but marked deleted"));
+            }
+            if !progress.contains_key(&id) {
+                w.problem(format!("deleted snapshot {id} has no drop progress"));
+            }
+            w.walk(r.bytenr.get(), r.level, Some(r.generation.get()), &wk);
+            continue;
+        }
+        match snaps.get(&id) {
+            None => w.problem(format!("tree {id} is no snapshot and not deleted")),
+            Some(s) => {
+                if r.flags.get() & root_flag::RDONLY == 0 {
+                    w.problem(format!("snapshot {id} is not marked read-only"));
+                }
+                if !names.insert(s.name.clone()) {
+                    w.problem(format!(
+                        "two snapshots named {:?}",
+                        String::from_utf8_lossy(&s.name)
+                    ));
+                }
+                if meta.is_none_or(|m| m.last_snapshot.get() < s.generation) {
+                    w.problem(format!(
+                        "snapshot {id} is newer than the last snapshot generation"
+                    ));
+                }
+            }
+        }
+        let items = w.walk(r.bytenr.get(), r.level, Some(r.generation.get()), &wk);
+        snap_items.push((id, items));
+    }
+    for id in snaps.keys().filter(|id| !roots.contains_key(id)) {
+        w.problem(format!("snapshot {id} has no root"));
+    }
+    for id in progress.keys().filter(|id| !roots.contains_key(id)) {
+        w.problem(format!("drop progress of tree {id}, which has no root"));
     }
     let fs_items = trees.remove(&tree::FS).unwrap_or_default();
     let extent_items = trees.remove(&tree::EXTENT).unwrap_or_default();
     let csum_items = trees.remove(&tree::CSUM).unwrap_or_default();
 
-    // Expected references: every tree node once, every file extent item once.
+    // Expected references: each parent pointer or root of a node, each file extent item
+    // of each distinct leaf.
     let mut expect: BTreeMap<u64, (u64, u64, u64)> = BTreeMap::new(); // bytenr -> (len, flags, refs)
     for (&addr, &n) in &w.node_refs {
         expect.insert(addr, (sb.node_size as u64, EXTENT_FLAG_TREE, n));
     }
-    let mut file_extents: Vec<(Key, FileExtent)> = Vec::new();
-    for (k, v) in &fs_items {
-        if k.ty == kind::EXTENT_DATA {
-            match FileExtent::read_from_bytes(v) {
-                Ok(fe) => {
-                    let e = expect.entry(fe.disk_bytenr.get()).or_insert((
-                        fe.disk_len.get(),
-                        EXTENT_FLAG_DATA,
-                        0,
-                    ));
-                    if e.0 != fe.disk_len.get() || e.1 != EXTENT_FLAG_DATA {
-                        w.problem(format!(
-                            "inode {}: file extent at {} disagrees on extent {:#x}",
-                            k.objectid,
-                            k.offset,
-                            fe.disk_bytenr.get()
-                        ));
-                    }
-                    e.2 += 1;
-                    file_extents.push((*k, fe));
-                }
-                Err(_) => w.problem(format!(
-                    "inode {}: malformed file extent at {}",
-                    k.objectid, k.offset
-                )),
-            }
+    let file_extents = std::mem::take(&mut w.counted_extents);
+    for (k, fe) in &file_extents {
+        let e =
+            expect
+                .entry(fe.disk_bytenr.get())
+                .or_insert((fe.disk_len.get(), EXTENT_FLAG_DATA, 0));
+        if e.0 != fe.disk_len.get() || e.1 != EXTENT_FLAG_DATA {
+            w.problem(format!(
+                "inode {}: file extent at {} disagrees on extent {:#x}",
+                k.objectid,
+                k.offset,
+                fe.disk_bytenr.get()
+            ));
         }
+        e.2 += 1;
     }
     let mut used = 0u64;
     let mut prev_end = 0u64;
@@ -396,7 +561,16 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
         }
     }
 
-    check_namespace(&mut w, &fs_items, &file_extents);
+    check_namespace(&mut w, &fs_items, &file_extents_of(&fs_items));
+    for (id, items) in &snap_items {
+        let before = w.rep.problems.len();
+        let inodes = w.rep.inodes;
+        check_namespace(&mut w, items, &file_extents_of(items));
+        w.rep.inodes += inodes;
+        for p in &mut w.rep.problems[before..] {
+            *p = format!("snapshot {id}: {p}");
+        }
+    }
     Ok(w.rep)
 }
 

@@ -23,7 +23,10 @@ use fuser::{
 };
 
 use crate::error::Error;
-use crate::fs::{Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr, TimeSet, ROOT_INO};
+use crate::fs::{
+    is_snapshot_ino, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr, SnapshotInfo,
+    TimeSet, ROOT_INO,
+};
 
 const TTL: Duration = Duration::from_secs(1);
 
@@ -34,6 +37,10 @@ pub const STATS_XATTR: &str = "birchfs.stats";
 /// A virtual xattr of the mount's root: exclusive and shared data space as JSON, from
 /// a walk over every file extent (what `birchfs stats --space` reads).
 pub const SPACE_XATTR: &str = "birchfs.space";
+
+/// A virtual xattr of the mount's root: the snapshots as JSON (what `birchfs snapshot
+/// list` reads).
+pub const SNAPSHOTS_XATTR: &str = "birchfs.snapshots";
 
 /// An fsync waiting for the log: its target, its reply, when it arrived.
 type PendingFsync = (u64, ReplyEmpty, std::time::Instant);
@@ -410,7 +417,11 @@ impl Filesystem for FuseFs {
         self.entry(r, reply)
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let writes = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
+        if writes && is_snapshot_ino(to_ino(ino)) {
+            return reply.error(Errno::from_i32(libc::EROFS));
+        }
         match self.fs.open_ino(to_ino(ino)) {
             Ok(a) if a.kind == FileKind::Dir => {
                 let _ = self.fs.release(a.ino);
@@ -615,6 +626,8 @@ impl Filesystem for FuseFs {
             Ok(self.fs.stats().to_json().into_bytes())
         } else if ino.0 == 1 && name.as_bytes() == SPACE_XATTR.as_bytes() {
             self.fs.space_usage().map(|u| u.to_json().into_bytes())
+        } else if ino.0 == 1 && name.as_bytes() == SNAPSHOTS_XATTR.as_bytes() {
+            Ok(SnapshotInfo::list_to_json(&self.fs.snapshot_list()).into_bytes())
         } else {
             self.fs.getxattr(to_ino(ino), name.as_bytes())
         };

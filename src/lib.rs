@@ -31,7 +31,8 @@ mod txn;
 pub use cache::{default_cache_size, CacheOptions};
 pub use error::{Error, Result};
 pub use fs::{
-    Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions, Options,
-    RenameFlags, SetAttr, SpaceUsage, StatFs, TimeSet, ROOT_INO,
+    is_snapshot_ino, Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions,
+    Options, RenameFlags, SetAttr, SnapshotInfo, SpaceUsage, StatFs, TimeSet, ROOT_INO,
+    SNAPSHOTS_INO, SNAPSHOTS_NAME,
 };
 pub use stats::{Histogram, LatencySummary, Stats, StatsSnapshot};

@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 
 use birchfs::dev::FileDev;
 use birchfs::fuse::FuseFs;
-use birchfs::{Fs, MkfsOptions, Options};
+use birchfs::{Fs, MkfsOptions, Options, SnapshotInfo};
 
 #[derive(Parser)]
 #[command(
@@ -77,6 +77,11 @@ enum Cmd {
         /// The mountpoint
         mountpoint: PathBuf,
     },
+    /// Take, list and delete read-only snapshots (of a mount, or of an unmounted image)
+    Snapshot {
+        #[command(subcommand)]
+        action: SnapshotCmd,
+    },
     /// Print the trees of IMAGE
     Dump {
         /// Only this tree: root, extent, fs, csum
@@ -85,6 +90,126 @@ enum Cmd {
         /// Image file or block device
         image: PathBuf,
     },
+}
+
+#[derive(Subcommand)]
+enum SnapshotCmd {
+    /// Take snapshot NAME (it shows as TARGET/.snapshots/NAME when mounted)
+    Create {
+        /// A birchfs mountpoint, or an unmounted image
+        target: PathBuf,
+        /// Name of the snapshot
+        name: String,
+    },
+    /// List the snapshots
+    List {
+        /// Print JSON instead of a table
+        #[arg(long)]
+        json: bool,
+        /// A birchfs mountpoint, or an unmounted image
+        target: PathBuf,
+    },
+    /// Delete snapshot NAME (a mount frees its space in the background)
+    Delete {
+        /// A birchfs mountpoint, or an unmounted image
+        target: PathBuf,
+        /// Name of the snapshot
+        name: String,
+    },
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC) of seconds since the epoch.
+fn utc(sec: i64) -> String {
+    let (days, rem) = (sec.div_euclid(86400), sec.rem_euclid(86400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
+    let target = match &action {
+        SnapshotCmd::Create { target, .. }
+        | SnapshotCmd::List { target, .. }
+        | SnapshotCmd::Delete { target, .. } => target.clone(),
+    };
+    let as_json = matches!(action, SnapshotCmd::List { json: true, .. });
+    let json = if target.is_dir() {
+        // A mount: the same as mkdir/rmdir in .snapshots.
+        let dir = target.join(".snapshots");
+        match action {
+            SnapshotCmd::Create { name, .. } => {
+                std::fs::create_dir(dir.join(&name)).with_context(|| {
+                    format!("cannot take snapshot {name:?} of {}", target.display())
+                })?;
+                return Ok(());
+            }
+            SnapshotCmd::Delete { name, .. } => {
+                std::fs::remove_dir(dir.join(&name)).with_context(|| {
+                    format!("cannot delete snapshot {name:?} of {}", target.display())
+                })?;
+                return Ok(());
+            }
+            SnapshotCmd::List { .. } => read_stats(&target, birchfs::fuse::SNAPSHOTS_XATTR)?,
+        }
+    } else {
+        let fs = Fs::open_path(
+            &target,
+            Options {
+                commit_interval: Duration::ZERO,
+                ..Default::default()
+            },
+        )
+        .with_context(|| format!("cannot open {}", target.display()))?;
+        let json = match action {
+            SnapshotCmd::Create { name, .. } => {
+                fs.snapshot_create(name.as_bytes())?;
+                None
+            }
+            SnapshotCmd::Delete { name, .. } => {
+                fs.snapshot_delete(name.as_bytes())?;
+                while fs.drop_deleted(usize::MAX)? {}
+                None
+            }
+            SnapshotCmd::List { .. } => Some(SnapshotInfo::list_to_json(&fs.snapshot_list())),
+        };
+        fs.unmount()?;
+        match json {
+            Some(j) => j,
+            None => return Ok(()),
+        }
+    };
+    if as_json {
+        println!("{json}");
+        return Ok(());
+    }
+    let list: serde_json::Value = serde_json::from_str(&json).context("bad snapshot list")?;
+    println!(
+        "{:<20} {:>6} {:>10}  CREATED (UTC)",
+        "NAME", "ID", "GENERATION"
+    );
+    for s in list.as_array().into_iter().flatten() {
+        println!(
+            "{:<20} {:>6} {:>10}  {}",
+            s["name"].as_str().unwrap_or("?"),
+            s["id"].as_u64().unwrap_or(0),
+            s["generation"].as_u64().unwrap_or(0),
+            utc(s["created_sec"].as_i64().unwrap_or(0))
+        );
+    }
+    Ok(())
 }
 
 fn parse_size(s: &str) -> Result<u64> {
@@ -384,6 +509,27 @@ fn mount_serve(
                 }
             })?;
     }
+    if !mo.fs.readonly {
+        // Frees what deleted snapshots held, a bounded step at a time.
+        let weak = Arc::downgrade(&fs);
+        std::thread::Builder::new()
+            .name("cleaner".into())
+            .spawn(move || loop {
+                let more = {
+                    let Some(fs) = weak.upgrade() else { break };
+                    match fs.drop_deleted(64) {
+                        Ok(more) => more,
+                        Err(e) => {
+                            tracing::error!("dropping deleted snapshots failed: {e}");
+                            false
+                        }
+                    }
+                };
+                if !more {
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            })?;
+    }
     if let Some(mut f) = ready.take() {
         let _ = f.write_all(b"ok\n");
     }
@@ -531,6 +677,10 @@ fn run() -> Result<ExitCode> {
             } else {
                 print!("{}", stats_table(&raw));
             }
+        }
+        Cmd::Snapshot { action } => {
+            init_logging(None)?;
+            snapshot_cmd(action)?;
         }
         Cmd::Dump { tree, image } => {
             init_logging(None)?;

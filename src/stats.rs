@@ -38,6 +38,8 @@ pub struct Stats {
     pub log_commits: AtomicU64,
     /// fsyncs the log could not serve, done as full commits.
     pub fallbacks: AtomicU64,
+    /// Copies of tree nodes shared with a snapshot (each adds a reference per child).
+    pub shared_cows: AtomicU64,
     /// fsync latency.
     pub fsync_latency: Histogram,
     /// Full commit latency.
@@ -71,6 +73,7 @@ impl Stats {
             flushes: g(&self.flushes),
             log_commits: g(&self.log_commits),
             fallbacks: g(&self.fallbacks),
+            shared_cows: g(&self.shared_cows),
             fsync_latency: self.fsync_latency.summary(),
             commit_latency: self.commit_latency.summary(),
         }
@@ -116,6 +119,8 @@ pub struct StatsSnapshot {
     pub log_commits: u64,
     /// See [`Stats::fallbacks`].
     pub fallbacks: u64,
+    /// See [`Stats::shared_cows`].
+    pub shared_cows: u64,
     /// See [`Stats::fsync_latency`].
     pub fsync_latency: LatencySummary,
     /// See [`Stats::commit_latency`].
@@ -229,7 +234,7 @@ impl StatsSnapshot {
         format!(
             concat!(
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
-                "\"fallbacks\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
+                "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
                 "\"writeback_runs\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
@@ -240,6 +245,7 @@ impl StatsSnapshot {
             self.log_commits,
             self.commits,
             self.fallbacks,
+            self.shared_cows,
             self.user_bytes,
             self.dev_data_bytes,
             self.dev_meta_bytes,
@@ -272,6 +278,7 @@ impl StatsSnapshot {
         row(&mut s, "log commits", self.log_commits.to_string());
         row(&mut s, "full commits", self.commits.to_string());
         row(&mut s, "log fallbacks", self.fallbacks.to_string());
+        row(&mut s, "shared node copies", self.shared_cows.to_string());
         row(
             &mut s,
             "bytes written by users",

@@ -25,15 +25,19 @@ use crate::btree::{self, Node, NodeStore, Root};
 use crate::dev::BlockDev;
 use crate::error::{Error, Result};
 use crate::format::{
-    decode_node, encode_node, kind, objectid, tree, ExtentItem, Key, NodeBody, NodeHeader,
-    RootItem, Superblock, DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE,
-    LOG_START, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
+    decode_node, encode_node, kind, objectid, root_flag, tree, ExtentItem, FileExtent, Key,
+    NodeBody, NodeHeader, RootItem, SnapshotItem, SnapshotMeta, Superblock, Timespec,
+    DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE, LOG_START,
+    MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
 };
 use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
 
 /// Nodes kept in the cache before clean ones are dropped.
 const CACHE_NODES: usize = 32768;
+
+/// Snapshot tree ids stay below this (they are part of inode numbers seen through FUSE).
+pub(crate) const MAX_SNAPSHOT_ID: u64 = 1 << 23;
 
 /// The trees, the node cache and the allocator of one mounted filesystem.
 pub(crate) struct Store {
@@ -56,6 +60,18 @@ pub(crate) struct Store {
     pub(crate) log: LogBuffer,
     /// Set when a commit failed: the trees in memory are ahead of the disk for good.
     pub(crate) failed: bool,
+    /// Live snapshots by tree id.
+    pub(crate) snapshots: BTreeMap<u64, SnapshotItem>,
+    /// Names of snapshots the next commit takes.
+    pending_snapshots: Vec<Vec<u8>>,
+    /// Deleted snapshots still being dropped: root and drop progress (every key below
+    /// it has been dropped).
+    dead: BTreeMap<u64, (Root, Key)>,
+    /// Tree id the next snapshot gets.
+    next_snapshot_id: u64,
+    /// Generation of the newest snapshot: fs-tree nodes of this generation or older
+    /// may be shared, newer ones never are.
+    last_snapshot: u64,
 }
 
 /// What a prepared commit writes, produced under the lock and written without it.
@@ -168,6 +184,11 @@ impl Store {
             readonly: false,
             log: LogBuffer::new(0),
             failed: false,
+            snapshots: BTreeMap::new(),
+            pending_snapshots: Vec::new(),
+            dead: BTreeMap::new(),
+            next_snapshot_id: objectid::FIRST_SNAPSHOT,
+            last_snapshot: 0,
         }
     }
 
@@ -239,18 +260,55 @@ impl Store {
             usize::MAX,
         )?;
         for (k, v) in items {
-            if k.ty != kind::ROOT_ITEM {
-                continue;
+            match k.ty {
+                kind::ROOT_ITEM => {
+                    let ri = RootItem::read_from_bytes(&v)
+                        .map_err(|_| Error::corrupt("root item", root.addr, "bad size"))?;
+                    // Snapshot trees hold the fs tree's nodes: their owner is the fs tree.
+                    let owner = if k.objectid >= objectid::FIRST_SNAPSHOT {
+                        tree::FS
+                    } else {
+                        k.objectid
+                    };
+                    let r = Root {
+                        addr: ri.bytenr.get(),
+                        level: ri.level,
+                        owner,
+                    };
+                    if ri.flags.get() & root_flag::DEAD != 0 {
+                        s.dead.insert(k.objectid, (r, Key::MIN));
+                    } else {
+                        s.roots.insert(k.objectid, r);
+                        s.written_roots.insert(k.objectid, r);
+                    }
+                }
+                kind::DROP_PROGRESS => {
+                    let key = Key::decode(&mut crate::format::Reader::new(&v))
+                        .ok_or_else(|| Error::corrupt("drop progress", root.addr, "bad size"))?;
+                    if let Some(d) = s.dead.get_mut(&k.objectid) {
+                        d.1 = key;
+                    }
+                }
+                kind::SNAPSHOT_META => {
+                    let m = SnapshotMeta::read_from_bytes(&v)
+                        .map_err(|_| Error::corrupt("snapshot meta", root.addr, "bad size"))?;
+                    s.next_snapshot_id = m.next_id.get().max(objectid::FIRST_SNAPSHOT);
+                    s.last_snapshot = m.last_snapshot.get();
+                }
+                kind::SNAPSHOT => {
+                    let si = SnapshotItem::decode(&v)
+                        .ok_or_else(|| Error::corrupt("snapshot item", root.addr, "malformed"))?;
+                    s.snapshots.insert(k.offset, si);
+                }
+                _ => {}
             }
-            let ri = RootItem::read_from_bytes(&v)
-                .map_err(|_| Error::corrupt("root item", root.addr, "bad size"))?;
-            let r = Root {
-                addr: ri.bytenr.get(),
-                level: ri.level,
-                owner: k.objectid,
-            };
-            s.roots.insert(k.objectid, r);
-            s.written_roots.insert(k.objectid, r);
+        }
+        if let Some(id) = s.snapshots.keys().find(|id| !s.roots.contains_key(id)) {
+            return Err(Error::corrupt(
+                "root tree",
+                root.addr,
+                format!("snapshot {id} has no root"),
+            ));
         }
         for id in [tree::EXTENT, tree::CSUM, tree::FS] {
             if !s.roots.contains_key(&id) {
@@ -285,8 +343,14 @@ impl Store {
         self.roots[&id]
     }
 
+    /// The root of tree `id` for a read: ENOENT for a tree that is not there (a
+    /// snapshot deleted while its files were still in use).
+    fn read_root(&self, id: u64) -> Result<Root> {
+        self.roots.get(&id).copied().ok_or(Error::NotFound)
+    }
+
     pub(crate) fn search(&mut self, id: u64, key: &Key) -> Result<Option<Vec<u8>>> {
-        let r = self.root(id);
+        let r = self.read_root(id)?;
         btree::search(self, &r, key)
     }
 
@@ -297,12 +361,12 @@ impl Store {
         end: &Key,
         limit: usize,
     ) -> Result<Vec<(Key, Vec<u8>)>> {
-        let r = self.root(id);
+        let r = self.read_root(id)?;
         btree::range(self, &r, start, end, limit)
     }
 
     pub(crate) fn seek_le(&mut self, id: u64, key: &Key) -> Result<Option<(Key, Vec<u8>)>> {
-        let r = self.root(id);
+        let r = self.read_root(id)?;
         btree::seek_le(self, &r, key)
     }
 
@@ -359,7 +423,10 @@ impl Store {
 
     /// Whether the running transaction changed anything.
     pub(crate) fn has_changes(&self) -> bool {
-        !self.dirty.is_empty() || !self.refs.is_empty() || self.roots != self.written_roots
+        !self.dirty.is_empty()
+            || !self.refs.is_empty()
+            || self.roots != self.written_roots
+            || !self.pending_snapshots.is_empty()
     }
 
     /// Number of nodes dirtied in the running transaction.
@@ -440,7 +507,7 @@ impl Store {
                     generation: gen.into(),
                     level: r.level,
                     pad: [0; 7],
-                    flags: 0.into(),
+                    flags: self.root_flags(id).into(),
                 };
                 self.insert(
                     tree::ROOT,
@@ -457,7 +524,10 @@ impl Store {
         self.log.commit_started();
         // What commit itself changes (freed checksums, root items) is not logged.
         let logging = std::mem::replace(&mut self.log.enabled, false);
-        let r = self.settle_trees();
+        let r = self
+            .settle_trees()
+            .and_then(|_| self.take_snapshots())
+            .and_then(|_| self.settle_trees());
         self.log.enabled = logging;
         r?;
         let root = self.root(tree::ROOT);
@@ -540,6 +610,251 @@ impl Store {
         self.evict_clean();
     }
 
+    /// References a tree node has, counting changes queued in this transaction.
+    fn node_refs(&mut self, addr: u64) -> Result<i64> {
+        let ns = self.sb.node_size as u64;
+        let base = match self.search(tree::EXTENT, &Key::new(addr, kind::EXTENT_ITEM, ns))? {
+            Some(v) => ExtentItem::read_from_bytes(&v)
+                .map_err(|_| Error::corrupt("extent item", addr, "bad size"))?
+                .refs
+                .get() as i64,
+            None => 0,
+        };
+        Ok(base + self.refs.find(addr).map_or(0, |h| h.delta))
+    }
+
+    /// Queues `delta` on every data extent the file extents of leaf `n` point at.
+    fn leaf_data_refs(&mut self, n: &Node, delta: i64) {
+        let NodeBody::Leaf(items) = &n.body else {
+            return;
+        };
+        for (k, v) in items {
+            if k.ty != kind::EXTENT_DATA {
+                continue;
+            }
+            if let Ok(fe) = FileExtent::read_from_bytes(v) {
+                if fe.disk_bytenr.get() != 0 {
+                    self.refs.add(
+                        fe.disk_bytenr.get(),
+                        fe.disk_len.get(),
+                        EXTENT_FLAG_DATA,
+                        delta,
+                    );
+                }
+            }
+        }
+    }
+
+    fn root_flags(&self, id: u64) -> u64 {
+        if self.snapshots.contains_key(&id) {
+            root_flag::RDONLY
+        } else {
+            0
+        }
+    }
+
+    /// Whether `name` is a snapshot, taken or about to be.
+    pub(crate) fn snapshot_exists(&self, name: &[u8]) -> bool {
+        self.pending_snapshots.iter().any(|n| n == name)
+            || self.snapshots.values().any(|s| s.name == name)
+    }
+
+    /// The tree id of the snapshot called `name`.
+    pub(crate) fn snapshot_id(&self, name: &[u8]) -> Option<u64> {
+        self.snapshots
+            .iter()
+            .find(|(_, s)| s.name == name)
+            .map(|(id, _)| *id)
+    }
+
+    /// Asks the next commit to take a snapshot of the fs tree called `name`.
+    pub(crate) fn request_snapshot(&mut self, name: &[u8]) -> Result<()> {
+        self.writable()?;
+        if self.snapshot_exists(name) {
+            return Err(Error::Exists);
+        }
+        if self.next_snapshot_id + self.pending_snapshots.len() as u64 >= MAX_SNAPSHOT_ID {
+            return Err(Error::NoSpace);
+        }
+        self.pending_snapshots.push(name.to_vec());
+        Ok(())
+    }
+
+    /// Takes the snapshots asked for: each new tree is the fs tree's root as this commit
+    /// writes it, with one more reference. Runs after the fs tree is final.
+    fn take_snapshots(&mut self) -> Result<()> {
+        if self.pending_snapshots.is_empty() {
+            return Ok(());
+        }
+        let fs = self.root(tree::FS);
+        let ns = self.sb.node_size as u64;
+        for name in std::mem::take(&mut self.pending_snapshots) {
+            let id = self.next_snapshot_id;
+            self.next_snapshot_id += 1;
+            self.refs.add(fs.addr, ns, EXTENT_FLAG_TREE, 1);
+            let item = SnapshotItem {
+                generation: self.generation,
+                ctime: Timespec::now(),
+                name,
+            };
+            self.insert(
+                tree::ROOT,
+                Key::new(objectid::SNAPSHOTS, kind::SNAPSHOT, id),
+                item.encode(),
+            )?;
+            self.snapshots.insert(id, item);
+            self.roots.insert(id, fs);
+        }
+        self.last_snapshot = self.generation;
+        self.put_snapshot_meta()
+    }
+
+    fn put_snapshot_meta(&mut self) -> Result<()> {
+        let meta = SnapshotMeta {
+            next_id: self.next_snapshot_id.into(),
+            last_snapshot: self.last_snapshot.into(),
+        };
+        self.insert(
+            tree::ROOT,
+            Key::new(objectid::SNAPSHOTS, kind::SNAPSHOT_META, 0),
+            meta.as_bytes().to_vec(),
+        )
+    }
+
+    /// Deletes snapshot `id`: it disappears at once; its nodes and data are freed by
+    /// [`Store::drop_step`], which resumes after a remount from the drop progress.
+    pub(crate) fn delete_snapshot(&mut self, id: u64) -> Result<()> {
+        self.writable()?;
+        if !self.snapshots.contains_key(&id) {
+            return Err(Error::NotFound);
+        }
+        let r = self.root(id);
+        self.delete(
+            tree::ROOT,
+            &Key::new(objectid::SNAPSHOTS, kind::SNAPSHOT, id),
+        )?;
+        self.snapshots.remove(&id);
+        let gen = self.read_node(r.addr)?.hdr.generation;
+        let item = RootItem {
+            bytenr: r.addr.into(),
+            generation: gen.into(),
+            level: r.level,
+            pad: [0; 7],
+            flags: root_flag::DEAD.into(),
+        };
+        self.insert(
+            tree::ROOT,
+            Key::new(id, kind::ROOT_ITEM, 0),
+            item.as_bytes().to_vec(),
+        )?;
+        self.put_drop_progress(id, Key::MIN)?;
+        self.roots.remove(&id);
+        self.written_roots.remove(&id);
+        self.dead.insert(id, (r, Key::MIN));
+        Ok(())
+    }
+
+    fn put_drop_progress(&mut self, id: u64, progress: Key) -> Result<()> {
+        let mut v = Vec::with_capacity(Key::SIZE);
+        progress.encode(&mut v);
+        self.insert(tree::ROOT, Key::new(id, kind::DROP_PROGRESS, 0), v)
+    }
+
+    /// Queues a refcount change nothing justifies, for tests of check.
+    #[cfg(test)]
+    pub(crate) fn corrupt_ref_for_test(&mut self, addr: u64, len: u64, delta: i64) {
+        self.refs.add(addr, len, EXTENT_FLAG_TREE, delta);
+    }
+
+    /// Whether deleted snapshots are waiting to be dropped.
+    pub(crate) fn has_dead(&self) -> bool {
+        !self.dead.is_empty()
+    }
+
+    /// Frees what deleted snapshots alone hold, visiting at most about `budget` nodes;
+    /// returns whether more is left. Each step's refcount changes and its progress go
+    /// into the running transaction together, so a crash resumes where the last commit
+    /// left off. Memory is one path of nodes plus the step's queued refs.
+    pub(crate) fn drop_step(&mut self, budget: usize) -> Result<bool> {
+        self.writable()?;
+        let Some((&id, &(root, progress))) = self.dead.iter().next() else {
+            return Ok(false);
+        };
+        let mut progress = progress;
+        let mut budget = budget.max(1);
+        let done = self.drop_rec(
+            root.addr,
+            root.level,
+            Key::MIN,
+            None,
+            &mut progress,
+            &mut budget,
+        )?;
+        if done {
+            self.delete(tree::ROOT, &Key::new(id, kind::ROOT_ITEM, 0))?;
+            self.delete(tree::ROOT, &Key::new(id, kind::DROP_PROGRESS, 0))?;
+            self.dead.remove(&id);
+            tracing::info!("snapshot tree {id} dropped");
+        } else {
+            self.put_drop_progress(id, progress)?;
+            self.dead.insert(id, (root, progress));
+        }
+        Ok(!self.dead.is_empty())
+    }
+
+    /// Drops the dead tree's reference to the subtree at `addr` (keys in `[lo, hi)`),
+    /// skipping what lies below `progress`. A shared node loses one reference and is not
+    /// entered; a node only this tree holds is entered, and freed after its children.
+    /// A node entered and left part-way was exclusive, so a resumed walk enters it again
+    /// without asking. Returns whether the subtree is done.
+    fn drop_rec(
+        &mut self,
+        addr: u64,
+        level: u8,
+        lo: Key,
+        hi: Option<Key>,
+        progress: &mut Key,
+        budget: &mut usize,
+    ) -> Result<bool> {
+        let ns = self.sb.node_size as u64;
+        if *progress <= lo && self.node_refs(addr)? > 1 {
+            self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
+            *budget = budget.saturating_sub(1);
+            *progress = hi.unwrap_or(Key::MAX);
+            return Ok(true);
+        }
+        let n = self.read_node(addr)?;
+        if n.hdr.level != level {
+            return Err(Error::corrupt(
+                "tree node",
+                addr,
+                format!("level {} where {level} was expected", n.hdr.level),
+            ));
+        }
+        match &n.body {
+            NodeBody::Leaf(_) => self.leaf_data_refs(&n, -1),
+            NodeBody::Internal(ptrs) => {
+                for (i, (k, child, _)) in ptrs.iter().enumerate() {
+                    let chi = ptrs.get(i + 1).map(|p| p.0).or(hi);
+                    if chi.is_some_and(|h| h <= *progress) {
+                        continue;
+                    }
+                    if *budget == 0 {
+                        return Ok(false);
+                    }
+                    if !self.drop_rec(*child, level - 1, (*k).max(lo), chi, progress, budget)? {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+        self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
+        self.cache.remove(&addr);
+        *budget = budget.saturating_sub(1);
+        *progress = hi.unwrap_or(Key::MAX);
+        Ok(true)
+    }
+
     fn evict_clean(&mut self) {
         if self.cache.len() <= CACHE_NODES {
             return;
@@ -587,9 +902,25 @@ impl NodeStore for Store {
         self.writable()?;
         let n = self.read_node(addr)?;
         let ns = self.sb.node_size as u64;
+        // Only fs-tree nodes written before the newest snapshot can be shared.
+        let shared = n.hdr.owner == tree::FS
+            && n.hdr.generation <= self.last_snapshot
+            && self.node_refs(addr)? > 1;
         let (new, _) = self.alloc.alloc(ns, ns, true)?;
         self.refs.add(new, ns, EXTENT_FLAG_TREE, 1);
         self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
+        if shared {
+            // The copy references everything the shared node does.
+            match &n.body {
+                NodeBody::Internal(ptrs) => {
+                    for (_, child, _) in ptrs {
+                        self.refs.add(*child, ns, EXTENT_FLAG_TREE, 1);
+                    }
+                }
+                NodeBody::Leaf(_) => self.leaf_data_refs(&n, 1),
+            }
+            Stats::add(&self.stats.shared_cows, 1);
+        }
         let mut c = (*n).clone();
         c.hdr.addr = new;
         c.hdr.generation = self.generation;

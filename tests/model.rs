@@ -34,6 +34,10 @@ enum Op {
     Fsync,
     Remount,
     Crash,
+    /// Take snapshot `s{n}` (a sync point).
+    Snapshot(usize),
+    /// Delete snapshot `s{n}` (a sync point); with `true`, also drop it at once.
+    DeleteSnapshot(usize, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -57,6 +61,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Fsync),
         1 => Just(Op::Remount),
         1 => Just(Op::Crash),
+        1 => (0..3usize).prop_map(Op::Snapshot),
+        1 => (0..3usize, any::<bool>()).prop_map(|(n, d)| Op::DeleteSnapshot(n, d)),
     ]
 }
 
@@ -66,6 +72,8 @@ struct Model {
     names: BTreeMap<String, u64>,
     files: BTreeMap<u64, Vec<u8>>,
     next: u64,
+    /// Snapshots by name: the model as it was when each was taken.
+    snaps: BTreeMap<String, Model>,
 }
 
 impl Model {
@@ -306,6 +314,34 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
             w.reopen(img);
             *durable = m.clone();
         }
+        Op::Snapshot(n) => {
+            let name = format!("s{n}");
+            let r = w.fs().snapshot_create(name.as_bytes());
+            if m.snaps.contains_key(&name) {
+                assert!(matches!(r, Err(Error::Exists)), "{r:?}");
+                return;
+            }
+            r.unwrap();
+            let frozen = Model {
+                snaps: BTreeMap::new(),
+                ..m.clone()
+            };
+            m.snaps.insert(name, frozen);
+            *durable = m.clone();
+        }
+        Op::DeleteSnapshot(n, drop_now) => {
+            let name = format!("s{n}");
+            let r = w.fs().snapshot_delete(name.as_bytes());
+            if m.snaps.remove(&name).is_none() {
+                assert!(matches!(r, Err(Error::NotFound)), "{r:?}");
+                return;
+            }
+            r.unwrap();
+            if *drop_now {
+                while w.fs().drop_deleted(1).unwrap() {}
+            }
+            *durable = m.clone();
+        }
         Op::Crash => {
             let last = w.dev.flush_points().last().copied().unwrap_or(0);
             let img = w.dev.image_with(last, &[]);
@@ -318,13 +354,31 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
 }
 
 fn compare(w: &World, m: &Model) {
+    compare_at(w, "", m);
     let fs = w.fs();
+    let mut names = BTreeSet::new();
+    for e in fs.readdir(birchfs::SNAPSHOTS_INO, 0, 100).unwrap() {
+        names.insert(String::from_utf8(e.name).unwrap());
+    }
+    names.remove(".");
+    names.remove("..");
+    let want: BTreeSet<String> = m.snaps.keys().cloned().collect();
+    assert_eq!(names, want, "snapshots");
+    for (name, snap) in &m.snaps {
+        compare_at(w, &format!("/.snapshots/{name}"), snap);
+    }
+}
+
+/// Compares the tree under `prefix` ("" for the live tree) with `m`.
+fn compare_at(w: &World, prefix: &str, m: &Model) {
+    let fs = w.fs();
+    let resolve = |p: &str| fs.resolve(&format!("{prefix}{}", p.trim_end_matches('/')));
     for d in ["/x/", "/y/"] {
-        let exists = fs.resolve(d.trim_end_matches('/')).is_ok();
-        assert_eq!(exists, m.dirs.contains(d), "dir {d}");
+        let exists = resolve(d).is_ok();
+        assert_eq!(exists, m.dirs.contains(d), "dir {prefix}{d}");
     }
     for dir in &m.dirs {
-        let ino = w.ino(dir);
+        let ino = resolve(dir).unwrap().ino;
         let mut names: BTreeSet<String> = BTreeSet::new();
         let mut off = 0;
         loop {
@@ -346,11 +400,11 @@ fn compare(w: &World, m: &Model) {
             .filter(|p| Model::dir_of(p) == dir)
             .cloned()
             .collect();
-        assert_eq!(names, want, "entries of {dir}");
+        assert_eq!(names, want, "entries of {prefix}{dir}");
     }
     let mut inos = BTreeMap::new();
     for (path, id) in &m.names {
-        let a = fs.resolve(path).unwrap();
+        let a = resolve(path).unwrap();
         let data = &m.files[id];
         assert_eq!(a.size, data.len() as u64, "size of {path}");
         let nlink = m.names.values().filter(|x| *x == id).count() as u32;

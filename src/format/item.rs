@@ -180,10 +180,74 @@ pub struct RootItem {
     pub level: u8,
     /// Zero.
     pub pad: [u8; 7],
-    /// Root flags (reserved for read-only snapshots).
+    /// `root_flag` bits.
     pub flags: U64,
 }
 const _: () = assert!(std::mem::size_of::<RootItem>() == 32);
+
+/// Snapshot bookkeeping (SNAPSHOT_META in the root tree).
+#[derive(
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+)]
+#[repr(C)]
+pub struct SnapshotMeta {
+    /// Tree id the next snapshot gets.
+    pub next_id: U64,
+    /// Generation of the newest snapshot: fs-tree nodes of this generation or older
+    /// may be shared.
+    pub last_snapshot: U64,
+}
+const _: () = assert!(std::mem::size_of::<SnapshotMeta>() == 16);
+
+/// A snapshot (SNAPSHOT item in the root tree, keyed by its tree id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotItem {
+    /// Generation of the commit that took it.
+    pub generation: u64,
+    /// When it was taken.
+    pub ctime: Timespec,
+    /// Its name under `.snapshots`.
+    pub name: Vec<u8>,
+}
+
+impl SnapshotItem {
+    /// The item's bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(22 + self.name.len());
+        out.extend_from_slice(&self.generation.to_le_bytes());
+        out.extend_from_slice(self.ctime.as_bytes());
+        out.extend_from_slice(&(self.name.len() as u16).to_le_bytes());
+        out.extend_from_slice(&self.name);
+        out
+    }
+
+    /// Parses an item; `None` when malformed.
+    pub fn decode(b: &[u8]) -> Option<SnapshotItem> {
+        let mut r = Reader::new(b);
+        let generation = r.u64()?;
+        let ctime = Timespec::read_from_bytes(r.bytes(12)?).ok()?;
+        let n = r.u16()? as usize;
+        let name = r.bytes(n)?.to_vec();
+        if !r.is_empty() || name.is_empty() {
+            return None;
+        }
+        Some(SnapshotItem {
+            generation,
+            ctime,
+            name,
+        })
+    }
+}
 
 /// Extent is file data.
 pub const EXTENT_FLAG_DATA: u64 = 1;

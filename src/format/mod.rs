@@ -21,6 +21,7 @@ pub use item::{
     DirEntry, ExtentItem, FileExtent, InodeItem, RootItem, Timespec, XattrEntry, EXTENT_FLAG_DATA,
     EXTENT_FLAG_TREE, FILE_EXTENT_PREALLOC, FILE_EXTENT_REG,
 };
+pub use item::{SnapshotItem, SnapshotMeta};
 pub use key::Key;
 pub use node::{decode_node, encode_node, NodeBody, NodeHeader, NODE_HEADER_SIZE};
 pub use superblock::{Superblock, SUPER_SIZE};
@@ -87,6 +88,12 @@ pub mod kind {
     pub const EXTENT_CSUM: u8 = 128;
     /// A tree root.
     pub const ROOT_ITEM: u8 = 132;
+    /// How far the background drop of a deleted snapshot got (root tree, by tree id).
+    pub const DROP_PROGRESS: u8 = 134;
+    /// Snapshot bookkeeping: the next tree id and the newest snapshot's generation.
+    pub const SNAPSHOT_META: u8 = 139;
+    /// A snapshot's name and creation (root tree, keyed by its tree id).
+    pub const SNAPSHOT: u8 = 140;
     /// An allocated extent with its refcount.
     pub const EXTENT_ITEM: u8 = 168;
 }
@@ -103,6 +110,18 @@ pub mod objectid {
     pub const CSUM: u64 = u64::MAX - 9;
     /// Inode numbers are below this.
     pub const LAST_INODE: u64 = u64::MAX - 256;
+    /// Holds SNAPSHOT and SNAPSHOT_META items in the root tree.
+    pub const SNAPSHOTS: u64 = u64::MAX - 12;
+    /// Tree id of the first snapshot; later ones count up and are never reused.
+    pub const FIRST_SNAPSHOT: u64 = 256;
+}
+
+/// ROOT_ITEM flags.
+pub mod root_flag {
+    /// A read-only snapshot.
+    pub const RDONLY: u64 = 1;
+    /// A deleted snapshot whose nodes are being freed in the background.
+    pub const DEAD: u64 = 2;
 }
 
 /// crc32c as every checksum in the format uses it.

@@ -5,6 +5,7 @@
 //! a DIR_INDEX sequence number, so it stays valid while entries come and go.
 
 use super::inode::FileKind;
+use super::snapshot::{is_reserved, join, split, SNAPSHOTS_INO};
 use super::{Attr, Creds, DirEntryOut, Inner, RenameFlags};
 use crate::error::{Error, Result};
 use crate::format::{
@@ -50,27 +51,33 @@ impl Inner {
     }
 
     pub(crate) fn find_entry(&mut self, dir: u64, name: &[u8]) -> Result<Option<DirEntry>> {
-        let Some(v) = self.store.search(tree::FS, &dir_item_key(dir, name))? else {
+        let (t, local) = split(dir);
+        let Some(v) = self.store.search(t, &dir_item_key(local, name))? else {
             return Ok(None);
         };
         let list =
             decode_dir_entries(&v).ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))?;
-        Ok(list.into_iter().find(|e| e.name == name))
+        Ok(list.into_iter().find(|e| e.name == name).map(|mut e| {
+            e.ino = join(t, e.ino);
+            e
+        }))
     }
 
     /// The parent of a directory (the root is its own parent).
     pub(crate) fn parent_of(&mut self, dir: u64) -> Result<u64> {
-        if dir == objectid::ROOT_DIR {
-            return Ok(dir);
+        let (t, local) = split(dir);
+        if local == objectid::ROOT_DIR {
+            // A snapshot's root sits in `.snapshots`.
+            return Ok(if t == tree::FS { dir } else { SNAPSHOTS_INO });
         }
         let r = self.store.range(
-            tree::FS,
-            &Key::new(dir, kind::INODE_REF, 0),
-            &Key::new(dir, kind::INODE_REF + 1, 0),
+            t,
+            &Key::new(local, kind::INODE_REF, 0),
+            &Key::new(local, kind::INODE_REF + 1, 0),
             1,
         )?;
         r.first()
-            .map(|(k, _)| k.offset)
+            .map(|(k, _)| join(t, k.offset))
             .ok_or_else(|| Error::corrupt("inode", dir, "directory without a parent"))
     }
 
@@ -175,6 +182,12 @@ impl Inner {
         if name.len() > NAME_MAX {
             return Err(Error::NameTooLong);
         }
+        if parent == SNAPSHOTS_INO {
+            return self.lookup_snapshot(name);
+        }
+        if is_reserved(parent, name) {
+            return self.snapshots_dir_attr();
+        }
         self.dir_inode(parent)?;
         let ino = match name {
             b"." => parent,
@@ -198,7 +211,11 @@ impl Inner {
         if p.nlink.get() == 0 {
             return Err(Error::NotFound);
         }
-        if name == b"." || name == b".." || self.find_entry(parent, name)?.is_some() {
+        if name == b"."
+            || name == b".."
+            || is_reserved(parent, name)
+            || self.find_entry(parent, name)?.is_some()
+        {
             return Err(Error::Exists);
         }
         if let Some(t) = target {
@@ -237,8 +254,9 @@ impl Inner {
         if i.mode.get() & libc::S_IFMT != libc::S_IFLNK {
             return Err(Error::Invalid("not a symlink"));
         }
+        let (t, local) = split(ino);
         self.store
-            .search(tree::FS, &Key::new(ino, kind::SYMLINK, 0))?
+            .search(t, &Key::new(local, kind::SYMLINK, 0))?
             .ok_or_else(|| Error::corrupt("symlink", ino, "target missing"))
     }
 
@@ -258,7 +276,11 @@ impl Inner {
         if p.nlink.get() == 0 {
             return Err(Error::NotFound);
         }
-        if name == b"." || name == b".." || self.find_entry(parent, name)?.is_some() {
+        if name == b"."
+            || name == b".."
+            || is_reserved(parent, name)
+            || self.find_entry(parent, name)?.is_some()
+        {
             return Err(Error::Exists);
         }
         self.need_room()?;
@@ -309,6 +331,9 @@ impl Inner {
             return Err(Error::NameTooLong);
         }
         self.dir_inode(parent)?;
+        if is_reserved(parent, name) {
+            return Err(Error::Perm);
+        }
         if rmdir && name == b"." {
             return Err(Error::Invalid("rmdir of ."));
         }
@@ -361,6 +386,9 @@ impl Inner {
         check_name(nn)?;
         if flags.exchange && flags.noreplace {
             return Err(Error::Invalid("NOREPLACE with EXCHANGE"));
+        }
+        if is_reserved(p, n) || is_reserved(np, nn) {
+            return Err(Error::Perm);
         }
         self.dir_inode(p)?;
         let npi = self.dir_inode(np)?;
@@ -441,6 +469,9 @@ impl Inner {
         offset: u64,
         max: usize,
     ) -> Result<Vec<DirEntryOut>> {
+        if ino == SNAPSHOTS_INO {
+            return self.readdir_snapshots(offset, max);
+        }
         self.dir_inode(ino)?;
         let mut out = Vec::new();
         if offset == 0 && out.len() < max {
@@ -464,10 +495,11 @@ impl Inner {
         if want == 0 {
             return Ok(out);
         }
+        let (t, local) = split(ino);
         let items = self.store.range(
-            tree::FS,
-            &dir_index_key(ino, offset.max(3)),
-            &Key::new(ino, kind::DIR_INDEX + 1, 0),
+            t,
+            &dir_index_key(local, offset.max(3)),
+            &Key::new(local, kind::DIR_INDEX + 1, 0),
             want,
         )?;
         for (k, v) in items {
@@ -478,7 +510,7 @@ impl Inner {
             let kind = FileKind::from_dtype(e.dtype)
                 .ok_or_else(|| Error::corrupt("dir index", ino, "bad type"))?;
             out.push(DirEntryOut {
-                ino: e.ino,
+                ino: join(t, e.ino),
                 kind,
                 name: e.name,
                 next_offset: k.offset + 1,

@@ -95,7 +95,8 @@ impl Inner {
         end: u64,
     ) -> Result<Vec<(u64, FileExtent)>> {
         let mut out = Vec::new();
-        if let Some((k, v)) = self.store.seek_le(tree::FS, &extent_key(ino, start))? {
+        let (t, ino) = super::snapshot::split(ino);
+        if let Some((k, v)) = self.store.seek_le(t, &extent_key(ino, start))? {
             if k.objectid == ino && k.ty == kind::EXTENT_DATA {
                 let fe = decode_fe(ino, &v)?;
                 if k.offset + fe.num_bytes.get() > start && k.offset < start {
@@ -105,9 +106,9 @@ impl Inner {
         }
         let mut from = start;
         loop {
-            let batch =
-                self.store
-                    .range(tree::FS, &extent_key(ino, from), &extent_key(ino, end), 256)?;
+            let batch = self
+                .store
+                .range(t, &extent_key(ino, from), &extent_key(ino, end), 256)?;
             let Some(last) = batch.last() else { break };
             from = last.0.offset + 1;
             for (k, v) in batch {

@@ -190,7 +190,8 @@ impl Inner {
     /// The inode item of `ino`, with the size and times of cached writes not yet in
     /// the tree (see `PendingAttr`).
     pub(crate) fn get_inode_opt(&mut self, ino: u64) -> Result<Option<InodeItem>> {
-        match self.store.search(tree::FS, &inode_key(ino))? {
+        let (t, local) = super::snapshot::split(ino);
+        match self.store.search(t, &inode_key(local))? {
             None => Ok(None),
             Some(v) => {
                 let mut i = InodeItem::read_from_bytes(&v)
@@ -218,6 +219,9 @@ impl Inner {
     }
 
     pub(crate) fn getattr(&mut self, ino: u64) -> Result<Attr> {
+        if ino == super::snapshot::SNAPSHOTS_INO {
+            return self.snapshots_dir_attr();
+        }
         let i = self.get_inode(ino)?;
         self.attr_of(ino, &i)
     }
@@ -246,7 +250,7 @@ impl Inner {
         uid: u32,
         gid: u32,
     ) -> Result<(u64, InodeItem)> {
-        if self.next_ino >= objectid::LAST_INODE {
+        if self.next_ino >= objectid::LAST_INODE.min(super::snapshot::LIVE_INO_LIMIT) {
             return Err(Error::NoSpace);
         }
         let ino = self.next_ino;

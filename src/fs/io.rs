@@ -89,6 +89,7 @@ impl Fs {
     /// The data lands in the page cache; space is reserved (ENOSPC comes here, not at
     /// writeback) but allocated only at writeback.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        Self::live(ino)?;
         let _f = self.file_lock(ino).write();
         let len = data.len() as u64;
         let end = offset.checked_add(len).ok_or(Error::TooBig)?;
@@ -584,6 +585,8 @@ impl Fs {
         len: u64,
         clone_only: bool,
     ) -> Result<u64> {
+        // A snapshot's files may be the source: that restores them without a copy.
+        Self::live(dst)?;
         let ssize = self.with(|i| {
             i.check_file(dst)?;
             Ok(i.check_file(src)?.size.get())
@@ -706,6 +709,7 @@ impl Fs {
 
     /// Changes attributes; size changes truncate or extend the file.
     pub fn setattr(&self, ino: u64, set: &super::SetAttr) -> Result<super::Attr> {
+        Self::live(ino)?;
         let Some(size) = set.size else {
             return self.with_space(|i| i.setattr(ino, set));
         };
@@ -727,6 +731,7 @@ impl Fs {
         len: u64,
         mode: super::FallocMode,
     ) -> Result<()> {
+        Self::live(ino)?;
         let _f = self.file_lock(ino).write();
         let _w = self.wb_lock(ino).lock();
         if self.with(|i| i.check_file(ino)).is_ok() {

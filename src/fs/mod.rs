@@ -9,6 +9,7 @@ mod dir;
 mod file;
 mod inode;
 mod io;
+mod snapshot;
 mod space;
 mod xattr;
 
@@ -27,6 +28,7 @@ use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
 
 pub use inode::{Attr, FileKind, SetAttr, TimeSet};
+pub use snapshot::{is_snapshot_ino, SnapshotInfo, SNAPSHOTS_INO, SNAPSHOTS_NAME};
 pub use space::SpaceUsage;
 
 /// Mount-time options of the engine.
@@ -504,11 +506,16 @@ impl Fs {
 
     /// Creates a node (file, fifo, device, socket) named `name` in `parent`.
     pub fn mknod(&self, parent: u64, name: &[u8], mode: u32, rdev: u64, cr: Creds) -> Result<Attr> {
+        Self::live_dir(parent)?;
         self.with_space(|i| i.create_node(parent, name, mode, rdev, cr, None))
     }
 
     /// Creates a directory.
     pub fn mkdir(&self, parent: u64, name: &[u8], mode: u32, cr: Creds) -> Result<Attr> {
+        if parent == SNAPSHOTS_INO {
+            return self.snapshot_create(name);
+        }
+        Self::live(parent)?;
         self.with_space(|i| {
             i.create_node(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, cr, None)
         })
@@ -516,6 +523,7 @@ impl Fs {
 
     /// Creates a symlink to `target`.
     pub fn symlink(&self, parent: u64, name: &[u8], target: &[u8], cr: Creds) -> Result<Attr> {
+        Self::live_dir(parent)?;
         self.with_space(|i| i.create_node(parent, name, libc::S_IFLNK | 0o777, 0, cr, Some(target)))
     }
 
@@ -526,16 +534,23 @@ impl Fs {
 
     /// Adds a name for `ino` in `parent`.
     pub fn link(&self, ino: u64, parent: u64, name: &[u8]) -> Result<Attr> {
+        Self::live(ino)?;
+        Self::live_dir(parent)?;
         self.with_space(|i| i.link(ino, parent, name))
     }
 
     /// Removes a non-directory name.
     pub fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+        Self::live_dir(parent)?;
         self.with(|i| i.unlink(parent, name, false))
     }
 
     /// Removes an empty directory.
     pub fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
+        if parent == SNAPSHOTS_INO {
+            return self.snapshot_delete(name);
+        }
+        Self::live(parent)?;
         self.with(|i| i.unlink(parent, name, true))
     }
 
@@ -548,6 +563,8 @@ impl Fs {
         newname: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
+        Self::live_dir(parent)?;
+        Self::live_dir(newparent)?;
         self.with_space(|i| i.rename(parent, name, newparent, newname, flags))
     }
 
@@ -591,6 +608,7 @@ impl Fs {
         create: bool,
         replace: bool,
     ) -> Result<()> {
+        Self::live(ino)?;
         self.with_space(|i| i.setxattr(ino, name, value, create, replace))
     }
 
@@ -606,12 +624,16 @@ impl Fs {
 
     /// Removes an extended attribute.
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
+        Self::live(ino)?;
         self.with(|i| i.removexattr(ino, name))
     }
 
     /// Checks `mask` (R_OK|W_OK|X_OK, or F_OK) for a caller with `uid`/`gid`/`groups`.
     pub fn access(&self, ino: u64, mask: i32, uid: u32, gid: u32, groups: &[u32]) -> Result<()> {
         let a = self.getattr(ino)?;
+        if mask & libc::W_OK != 0 && is_snapshot_ino(ino) && ino != SNAPSHOTS_INO {
+            return Err(Error::ReadOnly);
+        }
         inode::check_access(&a, mask, uid, gid, groups)
     }
 }
@@ -641,7 +663,7 @@ impl Inner {
         };
         if left == 0 {
             self.pins.remove(&ino);
-            if self.store.readonly {
+            if self.store.readonly || is_snapshot_ino(ino) {
                 return Ok(());
             }
             if let Some(item) = self.get_inode_opt(ino)? {
@@ -728,5 +750,7 @@ impl Inner {
 mod cache_tests;
 #[cfg(test)]
 mod reflink_tests;
+#[cfg(test)]
+mod snapshot_tests;
 #[cfg(test)]
 mod tests;

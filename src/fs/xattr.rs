@@ -15,7 +15,8 @@ fn xattr_key(ino: u64, name: &[u8]) -> Key {
 
 impl Inner {
     fn xattr_list(&mut self, ino: u64, name: &[u8]) -> Result<Vec<XattrEntry>> {
-        match self.store.search(tree::FS, &xattr_key(ino, name))? {
+        let (t, local) = super::snapshot::split(ino);
+        match self.store.search(t, &xattr_key(local, name))? {
             None => Ok(Vec::new()),
             Some(v) => {
                 decode_xattrs(&v).ok_or_else(|| Error::corrupt("xattr item", ino, "malformed"))
@@ -85,10 +86,11 @@ impl Inner {
 
     pub(crate) fn listxattr(&mut self, ino: u64) -> Result<Vec<Vec<u8>>> {
         self.get_inode(ino)?;
+        let (t, local) = super::snapshot::split(ino);
         let items = self.store.range(
-            tree::FS,
-            &Key::new(ino, kind::XATTR_ITEM, 0),
-            &Key::new(ino, kind::XATTR_ITEM + 1, 0),
+            t,
+            &Key::new(local, kind::XATTR_ITEM, 0),
+            &Key::new(local, kind::XATTR_ITEM + 1, 0),
             usize::MAX,
         )?;
         let mut names = Vec::new();
