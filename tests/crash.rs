@@ -37,6 +37,10 @@ enum Op {
     /// clone_range of the whole first file over the start of the second.
     Clone(String, String),
     Sync,
+    /// Take a snapshot of this name.
+    Snapshot(&'static str),
+    /// Delete the snapshot and drop it at once.
+    DeleteSnapshot(&'static str),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -47,11 +51,13 @@ struct Node {
     xattrs: BTreeMap<String, Vec<u8>>,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Model {
     names: BTreeMap<String, u64>,
     nodes: BTreeMap<u64, Node>,
     next: u64,
+    /// Snapshots: the model as each was taken.
+    snaps: BTreeMap<&'static str, Model>,
 }
 
 impl Model {
@@ -110,6 +116,8 @@ impl Model {
                 .get(p)
                 .is_some_and(|id| self.nodes[id].xattrs.contains_key(*n)),
             Op::Sync => true,
+            Op::Snapshot(n) => !self.snaps.contains_key(n),
+            Op::DeleteSnapshot(n) => self.snaps.contains_key(n),
         }
     }
     fn apply(&mut self, op: &Op) {
@@ -191,6 +199,16 @@ impl Model {
             }
             Op::Chmod(p, m) => self.nodes.get_mut(&self.names[p]).unwrap().mode = *m,
             Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync => {}
+            Op::Snapshot(n) => {
+                let frozen = Model {
+                    snaps: BTreeMap::new(),
+                    ..self.clone()
+                };
+                self.snaps.insert(n, frozen);
+            }
+            Op::DeleteSnapshot(n) => {
+                self.snaps.remove(n);
+            }
         }
         let live: std::collections::BTreeSet<u64> = self.names.values().copied().collect();
         self.nodes.retain(|id, _| live.contains(id));
@@ -206,6 +224,10 @@ enum Promise {
     },
     Dir {
         path: String,
+    },
+    /// A snapshot taken or deleted: (un)done for good once the call returned.
+    Snapshot {
+        name: &'static str,
     },
 }
 
@@ -310,6 +332,13 @@ fn exec(fs: &Fs, op: &Op) {
         Op::Fsync(p) => fs.fsync(ino(p), false).unwrap(),
         Op::Fdatasync(p) => fs.fsync(ino(p), true).unwrap(),
         Op::Sync => fs.commit().unwrap(),
+        Op::Snapshot(n) => {
+            fs.snapshot_create(n.as_bytes()).unwrap();
+        }
+        Op::DeleteSnapshot(n) => {
+            fs.snapshot_delete(n.as_bytes()).unwrap();
+            while fs.drop_deleted(usize::MAX).unwrap() {}
+        }
     }
 }
 
@@ -358,6 +387,10 @@ fn record(base: &[u8], ops: Vec<Op>) -> (Arc<CrashDev>, Run) {
                 }
             };
             run.promises.push((dev.op_count(), i, pr));
+        }
+        if let Op::Snapshot(name) | Op::DeleteSnapshot(name) = op {
+            run.promises
+                .push((dev.op_count(), i, Promise::Snapshot { name }));
         }
         run.history.push(m.clone());
     }
@@ -476,6 +509,20 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                     data.len(), a.perm, xs.keys().collect::<Vec<_>>(), run.ops
                 );
             }
+            Promise::Snapshot { name } => {
+                let snap = format!("/.snapshots/{name}");
+                match later[0].snaps.get(name) {
+                    Some(want) if later.iter().all(|m| m.snaps.get(name) == Some(want)) => {
+                        compare_snapshot(&fs, &snap, want, what, &run.ops)
+                    }
+                    None if later.iter().all(|m| !m.snaps.contains_key(name)) => assert!(
+                        fs.resolve(&snap).is_err(),
+                        "{what}: deleted snapshot {name} is back\nops: {:?}",
+                        run.ops
+                    ),
+                    _ => {}
+                }
+            }
             Promise::Dir { path } => {
                 let then = later[0].children(path);
                 let Ok(d) = fs.resolve(path) else {
@@ -519,6 +566,39 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                     );
                 }
             }
+        }
+    }
+}
+
+/// The snapshot at `root` holds exactly what `m` had: names, types and file data.
+fn compare_snapshot(fs: &Fs, root: &str, m: &Model, what: &str, ops: &[Op]) {
+    for (path, id) in &m.names {
+        let full = if path == "/" {
+            root.to_string()
+        } else {
+            format!("{root}{path}")
+        };
+        let a = fs
+            .resolve(&full)
+            .unwrap_or_else(|e| panic!("{what}: {full}: {e}\nops: {ops:?}"));
+        let node = &m.nodes[id];
+        if node.dir {
+            let mut now = std::collections::BTreeSet::new();
+            for e in fs.readdir(a.ino, 0, 100_000).unwrap() {
+                now.insert(String::from_utf8(e.name).unwrap());
+            }
+            now.remove(".");
+            now.remove("..");
+            let want: std::collections::BTreeSet<String> = m.children(path).into_keys().collect();
+            assert_eq!(now, want, "{what}: entries of {full}\nops: {ops:?}");
+        } else {
+            let data = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
+            assert!(
+                data == node.data,
+                "{what}: {full} has {} bytes, the snapshot took {}\nops: {ops:?}",
+                data.len(),
+                node.data.len()
+            );
         }
     }
 }
@@ -784,6 +864,38 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "snapshot, fsyncs on the shared tree, delete and drop",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Write(s("/d/a"), 0, 200_000, 30),
+                Create(s("/b")),
+                Write(s("/b"), 0, 9000, 31),
+                Snapshot("one"),
+                Write(s("/d/a"), 4096, 50_000, 32),
+                Fsync(s("/d/a")),
+                Unlink(s("/b")),
+                Fsync(s("/")),
+                Snapshot("two"),
+                Create(s("/d/c")),
+                Write(s("/d/c"), 0, 7000, 33),
+                Fsync(s("/d/c")),
+                DeleteSnapshot("one"),
+                Write(s("/d/a"), 0, 10, 34),
+                Fdatasync(s("/d/a")),
+            ],
+        ),
+        (
+            "extending truncate, then fdatasync",
+            vec![
+                Create(s("/a")),
+                Write(s("/a"), 0, 6000, 1),
+                Sync,
+                Truncate(s("/a"), 11067),
+                Fdatasync(s("/a")),
+            ],
+        ),
+        (
             "large overwrite",
             vec![
                 Create(s("/f")),
@@ -845,7 +957,7 @@ fn generated_sequences_survive_every_power_cut() {
             tries += 1;
             let f = s(files[rng.gen_range(0..files.len())]);
             let g = s(files[rng.gen_range(0..files.len())]);
-            let op = match rng.gen_range(0..11) {
+            let op = match rng.gen_range(0..13) {
                 0 => Op::Create(f),
                 1 => Op::Write(
                     f,
@@ -861,6 +973,8 @@ fn generated_sequences_survive_every_power_cut() {
                 7 => Op::SetXattr(f, "user.k", vec![rng.gen(); 40]),
                 8 => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
                 9 => Op::Clone(f, g),
+                10 => Op::Snapshot(if rng.gen() { "s" } else { "t" }),
+                11 => Op::DeleteSnapshot(if rng.gen() { "s" } else { "t" }),
                 _ => Op::Rmdir(s("/d")),
             };
             if m.valid(&op) {

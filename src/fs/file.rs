@@ -476,7 +476,8 @@ impl Inner {
     }
 
     /// Sets the size: frees blocks past a shorter size and zeroes the rest of the last
-    /// block, so that a later extend reads zeros.
+    /// block, so that a later extend reads zeros. The caller stores `i` and then marks
+    /// the change as data for fdatasync.
     pub(crate) fn truncate(&mut self, ino: u64, i: &mut InodeItem, size: u64) -> Result<()> {
         let old = i.size.get();
         if size < old {
@@ -494,7 +495,6 @@ impl Inner {
         }
         i.size = size.into();
         i.ctime = Timespec::now();
-        self.store.log.mark_data(ino);
         Ok(())
     }
 

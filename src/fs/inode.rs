@@ -326,6 +326,10 @@ impl Inner {
         }
         i.ctime = set.ctime.map(Timespec::from_system).unwrap_or(now);
         self.put_inode(ino, &mut i)?;
+        if set.size.is_some() {
+            // After the inode record: an fdatasync must take the new size along.
+            self.store.log.mark_data(ino);
+        }
         self.attr_of(ino, &i)
     }
 
