@@ -74,6 +74,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,7 @@ PROFILES = {
         "w1_cap_s": 240,
         "w2_size": "512M",
         "w2_runtime": 30,
+        "snap_every_s": 10,
         "w3_size": "256M",
         "w3_runtime": 30,
         "w4_fsync_threads": 4,
@@ -116,6 +118,7 @@ PROFILES = {
         "w1_cap_s": 30,
         "w2_size": "16M",
         "w2_runtime": 3,
+        "snap_every_s": 1,
         "w3_size": "16M",
         "w3_runtime": 3,
         "w4_fsync_threads": 4,
@@ -130,6 +133,8 @@ TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "b
            "fuse-floor"]
 KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
 BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio"]
+# Targets that can take snapshots (the W2-snap variant runs on these only).
+SNAPSHOT_TARGETS = ["btrfs", "birchfs-loop", "birchfs-file"]
 # Targets that run only for some workloads.
 ONLY_FOR = {"birchfs-folio": {"W3"}}
 LABELS = {
@@ -637,6 +642,14 @@ def variants(prof, only=None):
               "env": {"BENCH_SIZE": prof["w2_size"], "BENCH_NUMJOBS": "4",
                       "BENCH_RUNTIME": str(prof["w2_runtime"])},
               "layout": True, "timeout": prof["w2_runtime"] + 600})
+    # Issue 7: W2 again while a read-only snapshot is taken every 10 s (filesystems
+    # with snapshots only: birchfs mkdir .snapshots/N, btrfs subvolume snapshot -r).
+    v.append({"id": "W2-snap", "workload": "W2", "kind": "fio", "job": "w2.fio",
+              "label": f"W2 with a snapshot every {prof['snap_every_s']} s",
+              "env": {"BENCH_SIZE": prof["w2_size"], "BENCH_NUMJOBS": "4",
+                      "BENCH_RUNTIME": str(prof["w2_runtime"])},
+              "layout": True, "timeout": prof["w2_runtime"] + 600,
+              "snap_every": prof["snap_every_s"], "targets": SNAPSHOT_TARGETS})
     v.append({"id": "W3", "workload": "W3", "kind": "fio", "job": "w3.fio",
               "label": f"W3 4k overwrite fdatasync=1, 4 jobs x {prof['w3_size']}, {prof['w3_runtime']} s",
               "env": {"BENCH_SIZE": prof["w3_size"], "BENCH_NUMJOBS": "4",
@@ -677,6 +690,41 @@ def pct(d, key):
         return None
 
 
+class Snapshotter:
+    """Takes a read-only snapshot of the target every `every` seconds until stopped
+    (nothing when `every` is None)."""
+
+    def __init__(self, tgt, mp, every):
+        self.took, self.error = [], None
+        self.done = threading.Event()
+        self.thread = None
+        if every:
+            self.thread = threading.Thread(target=self.loop, args=(tgt, Path(mp), every),
+                                           daemon=True)
+            self.thread.start()
+
+    def loop(self, tgt, mp, every):
+        n = 0
+        while not self.done.wait(every):
+            n += 1
+            t0 = time.monotonic()
+            try:
+                if tgt.name in BIRCH:
+                    os.mkdir(mp / ".snapshots" / f"s{n}")
+                else:
+                    run(["btrfs", "subvolume", "snapshot", "-r", str(mp), str(mp / f".snap-{n}")],
+                        timeout=120)
+            except (OSError, RunError) as e:
+                self.error = str(e)
+                return
+            self.took.append(time.monotonic() - t0)
+
+    def stop(self):
+        self.done.set()
+        if self.thread:
+            self.thread.join()
+
+
 def run_fio(v, tgt, mp, work):
     d = Path(mp) / "fio"
     d.mkdir(exist_ok=True)
@@ -694,7 +742,12 @@ def run_fio(v, tgt, mp, work):
     load0 = os.getloadavg()[0]
     if out.exists():
         out.unlink()
-    run(["fio", "--output-format=json", f"--output={out}", job], env=env, timeout=v["timeout"])
+    snaps = Snapshotter(tgt, mp, v.get("snap_every"))
+    try:
+        run(["fio", "--output-format=json", f"--output={out}", job], env=env,
+            timeout=v["timeout"])
+    finally:
+        snaps.stop()
     run(["sync", "-f", str(d)], check=False, timeout=120)
     after = tgt.counters()
     fj = json.loads(out.read_text())
@@ -717,6 +770,11 @@ def run_fio(v, tgt, mp, work):
     }
     if "expect_bytes" in v:
         m["capped"] = w["io_bytes"] < v["expect_bytes"]
+    if v.get("snap_every"):
+        if snaps.error:
+            raise RunError(f"snapshot failed: {snaps.error}")
+        m["snapshots"] = len(snaps.took)
+        m["snapshot_ms_max"] = max(snaps.took) * 1000 if snaps.took else None
     extra = device_metrics(tgt, before, after, w["io_bytes"], m)
     extra["fio"] = {"fio_version": fj.get("fio version"), "global options": fj.get("global options"),
                     "job": j}
@@ -1457,13 +1515,16 @@ def main():
         res["machine"] = machine_facts(work)
         res["machine"]["binaries"] = bins
         total = prof["reps"] * sum(1 for v in vs for t in targets
-                                   if t not in ONLY_FOR or v["workload"] in ONLY_FOR[t])
+                                   if (t not in ONLY_FOR or v["workload"] in ONLY_FOR[t])
+                                   and ("targets" not in v or t in v["targets"]))
         log(f"profile {a.profile}: {len(vs)} variants x {prof['reps']} reps x {len(targets)} targets = {total} runs")
         i = 0
         for v in vs:
             for rep in range(1, prof["reps"] + 1):
                 for tname in targets:
                     if tname in ONLY_FOR and v["workload"] not in ONLY_FOR[tname]:
+                        continue
+                    if "targets" in v and tname not in v["targets"]:
                         continue
                     i += 1
                     tgt = Target(tname, work, prof["image_size"])
