@@ -14,6 +14,16 @@
 //! The extent tree changes itself: copying one of its nodes allocates (a new delayed
 //! ref) and frees (another). `prepare` runs delayed refs until none is queued; that
 //! terminates because a node copied in this generation is edited in place after that.
+//!
+//! Snapshots: a tree node's refcount is the number of parents (or roots) pointing at
+//! it. A snapshot is taken inside `prepare`, once the fs tree is final: its root item
+//! names the fs tree's root, which gains a reference. Nothing of the fs tree is dirty
+//! after that commit, so the next change copies: a copy of a node with more than one
+//! reference adds a reference to each child (or, for a leaf, to each data extent its
+//! file extents name) and drops one from the original; a copy of an unshared node just
+//! moves its children. Only fs-tree nodes written at or before the newest snapshot's
+//! generation can be shared, so a node newer than that is copied without looking its
+//! refcount up. Dropping a deleted snapshot is the mirror image (`drop_step`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -298,6 +308,13 @@ impl Store {
                 kind::SNAPSHOT => {
                     let si = SnapshotItem::decode(&v)
                         .ok_or_else(|| Error::corrupt("snapshot item", root.addr, "malformed"))?;
+                    if !(objectid::FIRST_SNAPSHOT..MAX_SNAPSHOT_ID).contains(&k.offset) {
+                        return Err(Error::corrupt(
+                            "snapshot item",
+                            root.addr,
+                            format!("tree id {} out of range", k.offset),
+                        ));
+                    }
                     s.snapshots.insert(k.offset, si);
                 }
                 _ => {}
@@ -501,19 +518,7 @@ impl Store {
                 return Ok(());
             }
             for (id, r) in changed {
-                let gen = self.read_node(r.addr)?.hdr.generation;
-                let item = RootItem {
-                    bytenr: r.addr.into(),
-                    generation: gen.into(),
-                    level: r.level,
-                    pad: [0; 7],
-                    flags: self.root_flags(id).into(),
-                };
-                self.insert(
-                    tree::ROOT,
-                    Key::new(id, kind::ROOT_ITEM, 0),
-                    item.as_bytes().to_vec(),
-                )?;
+                self.put_root_item(id, r, self.root_flags(id))?;
                 self.written_roots.insert(id, r);
             }
         }
@@ -645,6 +650,23 @@ impl Store {
         }
     }
 
+    /// Writes the ROOT_ITEM of tree `id`.
+    fn put_root_item(&mut self, id: u64, r: Root, flags: u64) -> Result<()> {
+        let gen = self.read_node(r.addr)?.hdr.generation;
+        let item = RootItem {
+            bytenr: r.addr.into(),
+            generation: gen.into(),
+            level: r.level,
+            pad: [0; 7],
+            flags: flags.into(),
+        };
+        self.insert(
+            tree::ROOT,
+            Key::new(id, kind::ROOT_ITEM, 0),
+            item.as_bytes().to_vec(),
+        )
+    }
+
     fn root_flags(&self, id: u64) -> u64 {
         if self.snapshots.contains_key(&id) {
             root_flag::RDONLY
@@ -734,19 +756,7 @@ impl Store {
             &Key::new(objectid::SNAPSHOTS, kind::SNAPSHOT, id),
         )?;
         self.snapshots.remove(&id);
-        let gen = self.read_node(r.addr)?.hdr.generation;
-        let item = RootItem {
-            bytenr: r.addr.into(),
-            generation: gen.into(),
-            level: r.level,
-            pad: [0; 7],
-            flags: root_flag::DEAD.into(),
-        };
-        self.insert(
-            tree::ROOT,
-            Key::new(id, kind::ROOT_ITEM, 0),
-            item.as_bytes().to_vec(),
-        )?;
+        self.put_root_item(id, r, root_flag::DEAD)?;
         self.put_drop_progress(id, Key::MIN)?;
         self.roots.remove(&id);
         self.written_roots.remove(&id);

@@ -12,19 +12,6 @@ use common::*;
 
 const MB: usize = 1 << 20;
 
-/// `n` MiB of distinct data.
-fn data(n: usize, key: u64) -> Vec<u8> {
-    (0..n as u64)
-        .flat_map(|i| pattern(key * 1000 + i, MB))
-        .copied()
-        .collect()
-}
-
-fn free_bytes(m: &Mount) -> u64 {
-    let s = statfs(m.root()).unwrap();
-    s.f_bfree * s.f_bsize as u64
-}
-
 /// The number after `"name":` in a flat JSON text.
 fn json_u64(json: &str, name: &str) -> u64 {
     let key = format!("\"{name}\":");
@@ -86,14 +73,14 @@ fn copy_range(from: &File, off_in: u64, to: &File, off_out: u64, len: usize) -> 
 fn cp_on_a_mount_shares_the_data_and_writes_unshare_only_their_blocks() {
     let mut m = Mount::new();
     let src = m.path("src");
-    let want = data(32, 1);
+    let want = mib_data(32, 1);
     fs::write(&src, &want).unwrap();
     File::open(&src).unwrap().sync_all().unwrap();
     sync_fs(&m);
-    let free = free_bytes(&m);
+    let free = free_bytes(m.root());
     cp(&m, "src", "dst");
     sync_fs(&m);
-    let used = free.saturating_sub(free_bytes(&m));
+    let used = free.saturating_sub(free_bytes(m.root()));
     assert!(used < 4 * MB as u64, "cp of 32 MiB used {used} bytes");
     assert!(cloned_bytes(&m) >= 32 * MB as u64, "cp went through clone");
     let (exclusive, shared) = space(&m);
@@ -104,13 +91,13 @@ fn cp_on_a_mount_shares_the_data_and_writes_unshare_only_their_blocks() {
     );
     assert_eq!(fs::read(m.path("dst")).unwrap(), want);
     // A write to the copy changes the copy only and costs about what it wrote.
-    let before = free_bytes(&m);
+    let before = free_bytes(m.root());
     let f = OpenOptions::new().write(true).open(m.path("dst")).unwrap();
     f.write_all_at(b"changed", 5 * MB as u64 + 10).unwrap();
     f.sync_all().unwrap();
     drop(f);
     sync_fs(&m);
-    let used = before.saturating_sub(free_bytes(&m));
+    let used = before.saturating_sub(free_bytes(m.root()));
     assert!(
         used < MB as u64,
         "a 7-byte write to a clone used {used} bytes"
@@ -132,9 +119,9 @@ fn cp_on_a_mount_shares_the_data_and_writes_unshare_only_their_blocks() {
 #[test]
 fn copy_file_range_with_unaligned_offsets_and_cached_data() {
     let mut m = Mount::new();
-    let want_src = data(4, 2);
+    let want_src = mib_data(4, 2);
     fs::write(m.path("a"), &want_src).unwrap();
-    let mut want = data(1, 3);
+    let mut want = mib_data(1, 3);
     fs::write(m.path("b"), &want).unwrap();
     let a = File::open(m.path("a")).unwrap();
     let b = OpenOptions::new()
@@ -183,7 +170,7 @@ fn copy_file_range_with_unaligned_offsets_and_cached_data() {
 #[test]
 fn an_fsynced_copy_survives_a_kill_of_the_daemon() {
     let mut m = Mount::new();
-    let want = data(8, 4);
+    let want = mib_data(8, 4);
     fs::write(m.path("src"), &want).unwrap();
     sync_fs(&m);
     cp(&m, "src", "dst");

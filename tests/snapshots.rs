@@ -14,18 +14,6 @@ use common::*;
 
 const MB: usize = 1 << 20;
 
-fn data(n: usize, key: u64) -> Vec<u8> {
-    (0..n as u64)
-        .flat_map(|i| pattern(key * 1000 + i, MB))
-        .copied()
-        .collect()
-}
-
-fn free_bytes(m: &Mount) -> u64 {
-    let s = statfs(m.root()).unwrap();
-    s.f_bfree * s.f_bsize as u64
-}
-
 fn names(dir: &std::path::Path) -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir(dir)
         .unwrap()
@@ -44,7 +32,7 @@ fn mkdir_in_dot_snapshots_freezes_the_tree_and_rmdir_gives_the_space_back() {
     let mut m = Mount::new();
     fs::create_dir(m.path("dir")).unwrap();
     fs::write(m.path("dir/a"), b"first").unwrap();
-    fs::write(m.path("big"), data(24, 1)).unwrap();
+    fs::write(m.path("big"), mib_data(24, 1)).unwrap();
     std::os::unix::fs::symlink("dir/a", m.path("ln")).unwrap();
     sync_fs(&m);
 
@@ -57,7 +45,7 @@ fn mkdir_in_dot_snapshots_freezes_the_tree_and_rmdir_gives_the_space_back() {
     fs::write(m.path("dir/a"), b"second").unwrap();
     fs::write(m.path("dir/b"), b"new").unwrap();
     fs::remove_file(m.path("ln")).unwrap();
-    fs::write(m.path("big"), data(24, 2)).unwrap();
+    fs::write(m.path("big"), mib_data(24, 2)).unwrap();
     sync_fs(&m);
 
     let s = m.path(".snapshots/one");
@@ -65,8 +53,8 @@ fn mkdir_in_dot_snapshots_freezes_the_tree_and_rmdir_gives_the_space_back() {
     assert_eq!(fs::read(s.join("dir/a")).unwrap(), b"first");
     assert!(!s.join("dir/b").exists());
     assert_eq!(fs::read_link(s.join("ln")).unwrap().to_str(), Some("dir/a"));
-    assert!(fs::read(s.join("big")).unwrap() == data(24, 1));
-    assert!(fs::read(m.path("big")).unwrap() == data(24, 2));
+    assert!(fs::read(s.join("big")).unwrap() == mib_data(24, 1));
+    assert!(fs::read(m.path("big")).unwrap() == mib_data(24, 2));
 
     // Read-only: every change fails with EROFS, in the snapshot and in .snapshots.
     expect_errno(
@@ -116,14 +104,14 @@ fn mkdir_in_dot_snapshots_freezes_the_tree_and_rmdir_gives_the_space_back() {
     assert_eq!(fs::read(m.path(".snapshots/one/dir/a")).unwrap(), b"first");
 
     // Deleting it frees the 24 MiB only it held, in the background.
-    let before = free_bytes(&m);
+    let before = free_bytes(m.root());
     fs::remove_dir(m.path(".snapshots/one")).unwrap();
     assert!(!m.path(".snapshots/one").exists());
     assert_eq!(names(&m.path(".snapshots")), Vec::<String>::new());
     let t0 = Instant::now();
     loop {
         sync_fs(&m);
-        let freed = free_bytes(&m).saturating_sub(before);
+        let freed = free_bytes(m.root()).saturating_sub(before);
         if freed >= 24 * MB as u64 {
             break;
         }

@@ -385,6 +385,20 @@ impl PageCache {
         }
     }
 
+    /// Drops every folio of the inodes numbered `lo..hi` (a deleted snapshot's).
+    pub(crate) fn discard_inodes(&self, lo: u64, hi: u64) {
+        let inos: BTreeSet<u64> = self
+            .state
+            .lock()
+            .folios
+            .range((lo, 0)..(hi, 0))
+            .map(|(k, _)| k.0)
+            .collect();
+        for ino in inos {
+            self.discard(ino, 0);
+        }
+    }
+
     /// Evicts clean folios nobody holds, least recently used first, when the cache
     /// is over its size; returns whether it is still over (too much is dirty).
     pub(crate) fn evict(&self) -> bool {

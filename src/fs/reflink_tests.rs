@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::tests::{mk, remount};
+use super::tests::{mk, pattern, read_all, remount};
 use super::*;
 use crate::dev::MemDev;
 use crate::error::Error;
@@ -14,17 +14,6 @@ const BS: u64 = 4096;
 fn file(fs: &Fs, name: &[u8]) -> u64 {
     let c = Creds { uid: 0, gid: 0 };
     fs.mknod(ROOT_INO, name, 0o644, 0, c).unwrap().ino
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i / 7) as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
-fn read_all(fs: &Fs, ino: u64) -> Vec<u8> {
-    let size = fs.getattr(ino).unwrap().size;
-    fs.read(ino, 0, size as u32).unwrap()
 }
 
 /// Runs check on the image as it is after unmount; returns its problems.

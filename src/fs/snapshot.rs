@@ -206,10 +206,13 @@ impl Fs {
     /// [`Fs::drop_deleted`].
     pub fn snapshot_delete(&self, name: &[u8]) -> Result<()> {
         check_snapshot_name(name)?;
-        self.with(|i| {
+        let id = self.with(|i| {
             let id = i.store.snapshot_id(name).ok_or(Error::NotFound)?;
-            i.store.delete_snapshot(id)
+            i.store.delete_snapshot(id)?;
+            Ok(id)
         })?;
+        // Its files' cached data can never be read again.
+        self.cache.discard_inodes(join(id, 0), join(id + 1, 0));
         self.commit()?;
         tracing::info!("snapshot {:?} deleted", String::from_utf8_lossy(name));
         Ok(())

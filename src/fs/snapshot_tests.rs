@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::tests::{mk, remount};
+use super::tests::{mk, pattern, read_all, remount};
 use super::*;
 use crate::dev::MemDev;
 use crate::error::Error;
@@ -13,17 +13,6 @@ const MB: u64 = 1 << 20;
 
 fn cr() -> Creds {
     Creds { uid: 0, gid: 0 }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i / 5) as u8).wrapping_mul(29).wrapping_add(seed))
-        .collect()
-}
-
-fn read_all(fs: &Fs, ino: u64) -> Vec<u8> {
-    let size = fs.getattr(ino).unwrap().size;
-    fs.read(ino, 0, size as u32).unwrap()
 }
 
 /// Path lookup from `dir`.
@@ -220,7 +209,16 @@ fn deleting_a_snapshot_gives_its_space_back() {
         free0 - free1 >= 16 * MB / 4096,
         "{free0} -> {free1}: the overwrite should take new space"
     );
+    // Reading the snapshot's copy fills the cache; deleting the snapshot empties it.
+    let old = at(&fs, SNAPSHOTS_INO, "s/big").unwrap().ino;
+    assert!(read_all(&fs, old) == pattern(16 * MB as usize, 1));
+    let cached = fs.stats().cache_bytes;
     fs.rmdir(SNAPSHOTS_INO, b"s").unwrap();
+    assert!(
+        cached - fs.stats().cache_bytes >= 16 * MB,
+        "the deleted snapshot's folios stayed cached"
+    );
+    assert!(matches!(fs.read(old, 0, 10), Err(Error::NotFound)));
     assert!(matches!(
         fs.lookup(SNAPSHOTS_INO, b"s"),
         Err(Error::NotFound)

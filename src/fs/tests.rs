@@ -15,6 +15,19 @@ pub(super) fn mk(size: u64) -> (Arc<MemDev>, Fs) {
     (dev, fs)
 }
 
+/// `len` bytes of a pattern that differs with `seed`.
+pub(super) fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i / 7) as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// The whole content of file `ino`.
+pub(super) fn read_all(fs: &Fs, ino: u64) -> Vec<u8> {
+    let size = fs.getattr(ino).unwrap().size;
+    fs.read(ino, 0, size as u32).unwrap()
+}
+
 pub(super) fn remount(dev: &Arc<MemDev>, fs: Fs) -> Fs {
     fs.unmount().unwrap();
     let dev2 = Arc::new(MemDev::from_image(dev.image()));

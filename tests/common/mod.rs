@@ -1112,6 +1112,14 @@ pub fn pool() -> &'static [u8] {
     })
 }
 
+/// `n` MiB of distinct pseudo-random data determined by `key`.
+pub fn mib_data(n: usize, key: u64) -> Vec<u8> {
+    (0..n as u64)
+        .flat_map(|i| pattern(key * 1000 + i, 1 << 20))
+        .copied()
+        .collect()
+}
+
 /// `len` (at most 2 MiB) pseudo-random bytes determined by `key`.
 pub fn pattern(key: u64, len: usize) -> &'static [u8] {
     assert!(len <= POOL_LEN / 2, "pattern: len {} too large", len);
