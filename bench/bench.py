@@ -39,7 +39,9 @@ measurement. Before every measured run: sync, echo 3 > /proc/sys/vm/drop_caches,
 the device counters; after it: sync -f on the mount, read them again.
 
 Order: for each workload variant, the targets run interleaved (A B C D ... A B C D ...),
-`reps` times. The report gives median and min-max over the repetitions.
+`reps` times; variants marked `interleave` (W2-snap) run in the same rounds as the
+variant before them, so the two are compared in the same stretch of time. The report
+gives median and min-max over the repetitions.
 
 Output (bench/results/ for full, bench/results/quick/ for quick):
   REPORT.md           tables (workload x filesystem, birchfs / best kernel fs), machine
@@ -649,7 +651,8 @@ def variants(prof, only=None):
               "env": {"BENCH_SIZE": prof["w2_size"], "BENCH_NUMJOBS": "4",
                       "BENCH_RUNTIME": str(prof["w2_runtime"])},
               "layout": True, "timeout": prof["w2_runtime"] + 600,
-              "snap_every": prof["snap_every_s"], "targets": SNAPSHOT_TARGETS})
+              "snap_every": prof["snap_every_s"], "targets": SNAPSHOT_TARGETS,
+              "interleave": True})
     v.append({"id": "W3", "workload": "W3", "kind": "fio", "job": "w3.fio",
               "label": f"W3 4k overwrite fdatasync=1, 4 jobs x {prof['w3_size']}, {prof['w3_runtime']} s",
               "env": {"BENCH_SIZE": prof["w3_size"], "BENCH_NUMJOBS": "4",
@@ -1051,7 +1054,7 @@ def write_report(res, outdir):
              f"with `--direct-io=on` (except `raw`: a directory of the host filesystem, and `birchfs-file`: "
              f"the plain image file). btrfs is mounted `-o ssd`; the FUSE floor is libfuse {vv['libfuse']}'s "
              f"`passthrough_ll -o writeback` (birchfs also uses the writeback cache) over ext4 on a loop device.")
-    L.append(f"- A fresh filesystem for every run; targets interleaved (A B C … A B C …) within each workload variant; "
+    L.append(f"- A fresh filesystem for every run; targets interleaved (A B C … A B C …) within each workload variant (W2-snap in the same rounds as W2); "
              f"{prof['reps']} repetitions; `sync` + `drop_caches` before each measured run. Cells: median (min–max).")
     L.append("- W2/W3 files are laid out by a separate fio pass (`create_only=1`) before the measured pass. "
              "Device bytes are read before the measured pass and after it plus `sync -f` on the mount: "
@@ -1519,46 +1522,52 @@ def main():
                                    and ("targets" not in v or t in v["targets"]))
         log(f"profile {a.profile}: {len(vs)} variants x {prof['reps']} reps x {len(targets)} targets = {total} runs")
         i = 0
+        groups = []
         for v in vs:
-            for rep in range(1, prof["reps"] + 1):
-                for tname in targets:
-                    if tname in ONLY_FOR and v["workload"] not in ONLY_FOR[tname]:
-                        continue
-                    if "targets" in v and tname not in v["targets"]:
-                        continue
-                    i += 1
-                    tgt = Target(tname, work, prof["image_size"])
-                    rec = {"variant": v["id"], "workload": v["workload"], "target": tname, "rep": rep}
-                    t0 = time.monotonic()
+            if v.get("interleave") and groups:
+                groups[-1].append(v)
+            else:
+                groups.append([v])
+        rounds = [(v, rep) for g in groups for rep in range(1, prof["reps"] + 1) for v in g]
+        for v, rep in rounds:
+            for tname in targets:
+                if tname in ONLY_FOR and v["workload"] not in ONLY_FOR[tname]:
+                    continue
+                if "targets" in v and tname not in v["targets"]:
+                    continue
+                i += 1
+                tgt = Target(tname, work, prof["image_size"])
+                rec = {"variant": v["id"], "workload": v["workload"], "target": tname, "rep": rep}
+                t0 = time.monotonic()
+                try:
+                    mp = tgt.setup()
+                    if v["kind"] == "fio":
+                        m, extra = run_fio(v, tgt, mp, work)
+                    else:
+                        m, extra = run_fsmark(v, tgt, mp, work)
+                    rec.update(ok=True, metrics=m, **extra)
+                except RunError as e:
+                    rec.update(ok=False, error=str(e), metrics={})
+                    log(f"run failed: {e}")
+                except Skipped as e:
+                    rec.update(ok=False, skipped=str(e), metrics={})
+                finally:
                     try:
-                        mp = tgt.setup()
-                        if v["kind"] == "fio":
-                            m, extra = run_fio(v, tgt, mp, work)
-                        else:
-                            m, extra = run_fsmark(v, tgt, mp, work)
-                        rec.update(ok=True, metrics=m, **extra)
+                        tgt.teardown()
                     except RunError as e:
-                        rec.update(ok=False, error=str(e), metrics={})
-                        log(f"run failed: {e}")
-                    except Skipped as e:
-                        rec.update(ok=False, skipped=str(e), metrics={})
-                    finally:
-                        try:
-                            tgt.teardown()
-                        except RunError as e:
-                            log(f"teardown of {tname} failed: {e}")
-                        rec["wall_s"] = time.monotonic() - t0
-                        res["runs"].append(rec)
-                        (work / "results.partial.json").write_text(json.dumps(res))
-                    mm = rec["metrics"]
-                    main = mm.get("files_per_s") if v["kind"] == "fsmark" else mm.get("mib_s")
-                    unit = "files/s" if v["kind"] == "fsmark" else "MiB/s"
-                    lat = mm.get("fsync_p99_us")
-                    log(f"[{i}/{total}] {v['id']:<11} rep {rep} {tname:<13} "
-                        + (f"{fmt(main)} {unit}, fsync p50 {fmt(mm.get('fsync_p50_us'))} p99 {fmt(lat)} µs"
-                           + (f", WA {mm['wa']:.2f}" if mm.get("wa") else "")
-                           if rec["ok"] else ("skipped" if rec.get("skipped") else "FAILED"))
-                        + f" ({rec['wall_s']:.1f} s)")
+                        log(f"teardown of {tname} failed: {e}")
+                    rec["wall_s"] = time.monotonic() - t0
+                    res["runs"].append(rec)
+                    (work / "results.partial.json").write_text(json.dumps(res))
+                mm = rec["metrics"]
+                main = mm.get("files_per_s") if v["kind"] == "fsmark" else mm.get("mib_s")
+                unit = "files/s" if v["kind"] == "fsmark" else "MiB/s"
+                lat = mm.get("fsync_p99_us")
+                log(f"[{i}/{total}] {v['id']:<11} rep {rep} {tname:<13} "
+                    + (f"{fmt(main)} {unit}, fsync p50 {fmt(mm.get('fsync_p50_us'))} p99 {fmt(lat)} µs"
+                       + (f", WA {mm['wa']:.2f}" if mm.get("wa") else "")
+                       if rec["ok"] else ("skipped" if rec.get("skipped") else "FAILED"))
+                    + f" ({rec['wall_s']:.1f} s)")
         res["complete"] = True
     except Interrupted as e:
         log(f"interrupted ({e}); cleaning up")
