@@ -38,6 +38,17 @@ fn mkdir_in_dot_snapshots_freezes_the_tree_and_rmdir_gives_the_space_back() {
 
     fs::create_dir(m.path(".snapshots/one")).unwrap();
     assert_eq!(names(&m.path(".snapshots")), vec!["one"]);
+    // `ls -la` stats and asks for xattrs of every entry, `.` included: no errors.
+    let out = std::process::Command::new("ls")
+        .arg("-la")
+        .arg(m.path(".snapshots"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "ls -la .snapshots: {}",
+        describe(&out)
+    );
     // Hidden from readdir of the root, as ZFS hides .zfs.
     assert_eq!(names(m.root()), vec!["big", "dir", "ln"]);
 

@@ -134,6 +134,9 @@ impl Inner {
     }
 
     pub(crate) fn check_file(&mut self, ino: u64) -> Result<InodeItem> {
+        if ino == super::SNAPSHOTS_INO {
+            return Err(Error::IsDir);
+        }
         let i = self.get_inode(ino)?;
         match i.mode.get() & libc::S_IFMT {
             libc::S_IFREG => Ok(i),

@@ -182,6 +182,13 @@ fn snapshots_are_read_only_and_their_names_are_checked() {
         Err(Error::Perm)
     ));
     assert_eq!(names(&fs, ROOT_INO), vec!["f", "g", "sub"]);
+    // `ls -l` asks `.snapshots` for xattrs; it has none (not ENOENT).
+    assert!(matches!(
+        fs.getxattr(SNAPSHOTS_INO, b"security.selinux"),
+        Err(Error::NoData)
+    ));
+    assert_eq!(fs.listxattr(SNAPSHOTS_INO).unwrap(), Vec::<Vec<u8>>::new());
+    assert!(matches!(fs.read(SNAPSHOTS_INO, 0, 10), Err(Error::IsDir)));
     assert_eq!(names(&fs, SNAPSHOTS_INO), vec!["s"]);
     fs.snapshot_create(b"t").unwrap();
     assert_eq!(names(&fs, SNAPSHOTS_INO), vec!["s", "t"]);

@@ -76,6 +76,9 @@ impl Inner {
 
     pub(crate) fn getxattr(&mut self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
         Self::check_xattr_name(name)?;
+        if ino == super::SNAPSHOTS_INO {
+            return Err(Error::NoData);
+        }
         self.get_inode(ino)?;
         self.xattr_list(ino, name)?
             .into_iter()
@@ -85,6 +88,9 @@ impl Inner {
     }
 
     pub(crate) fn listxattr(&mut self, ino: u64) -> Result<Vec<Vec<u8>>> {
+        if ino == super::SNAPSHOTS_INO {
+            return Ok(Vec::new());
+        }
         self.get_inode(ino)?;
         let (t, local) = super::snapshot::split(ino);
         let items = self.store.range(
