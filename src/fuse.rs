@@ -24,8 +24,7 @@ use fuser::{
 
 use crate::error::Error;
 use crate::fs::{
-    is_snapshot_ino, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr, SnapshotInfo,
-    TimeSet, ROOT_INO,
+    is_snapshot_ino, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr, TimeSet, ROOT_INO,
 };
 
 const TTL: Duration = Duration::from_secs(1);
@@ -38,9 +37,9 @@ pub const STATS_XATTR: &str = "birchfs.stats";
 /// a walk over every file extent (what `birchfs stats --space` reads).
 pub const SPACE_XATTR: &str = "birchfs.space";
 
-/// A virtual xattr of the mount's root: the snapshots as JSON (what `birchfs snapshot
-/// list` reads).
-pub const SNAPSHOTS_XATTR: &str = "birchfs.snapshots";
+/// A virtual xattr of each snapshot's root directory (`.snapshots/NAME`): the snapshot
+/// as JSON (what `birchfs snapshot list` reads, one snapshot at a time).
+pub const SNAPSHOT_XATTR: &str = "birchfs.snapshot";
 
 /// An fsync waiting for the log: its target, its reply, when it arrived.
 type PendingFsync = (u64, ReplyEmpty, std::time::Instant);
@@ -626,8 +625,11 @@ impl Filesystem for FuseFs {
             Ok(self.fs.stats().to_json().into_bytes())
         } else if ino.0 == 1 && name.as_bytes() == SPACE_XATTR.as_bytes() {
             self.fs.space_usage().map(|u| u.to_json().into_bytes())
-        } else if ino.0 == 1 && name.as_bytes() == SNAPSHOTS_XATTR.as_bytes() {
-            Ok(SnapshotInfo::list_to_json(&self.fs.snapshot_list()).into_bytes())
+        } else if name.as_bytes() == SNAPSHOT_XATTR.as_bytes() && is_snapshot_ino(to_ino(ino)) {
+            self.fs
+                .snapshot_info(to_ino(ino))
+                .map(|s| s.to_json().to_string().into_bytes())
+                .ok_or(Error::NoData)
         } else {
             self.fs.getxattr(to_ino(ino), name.as_bytes())
         };

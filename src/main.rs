@@ -162,7 +162,18 @@ fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
                 })?;
                 return Ok(());
             }
-            SnapshotCmd::List { .. } => read_stats(&target, birchfs::fuse::SNAPSHOTS_XATTR)?,
+            SnapshotCmd::List { .. } => {
+                // One xattr per snapshot: a list of thousands would not fit in one.
+                let mut list = Vec::new();
+                for e in std::fs::read_dir(&dir)
+                    .with_context(|| format!("{} is not a birchfs mountpoint", target.display()))?
+                {
+                    let raw = read_stats(&e?.path(), birchfs::fuse::SNAPSHOT_XATTR)?;
+                    list.push(serde_json::from_str::<serde_json::Value>(&raw)?);
+                }
+                list.sort_by_key(|s| s["id"].as_u64());
+                serde_json::Value::Array(list).to_string()
+            }
         }
     } else {
         let fs = Fs::open_path(
@@ -548,7 +559,7 @@ fn read_stats(mountpoint: &Path, xattr: &str) -> Result<String> {
     let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     if r < 0 {
         bail!(
-            "{} is not a birchfs mountpoint ({})",
+            "cannot read {xattr} of {} (not on a birchfs mount?): {}",
             mountpoint.display(),
             std::io::Error::last_os_error()
         );

@@ -320,13 +320,7 @@ impl Store {
                 _ => {}
             }
         }
-        if let Some(id) = s.snapshots.keys().find(|id| !s.roots.contains_key(id)) {
-            return Err(Error::corrupt(
-                "root tree",
-                root.addr,
-                format!("snapshot {id} has no root"),
-            ));
-        }
+        s.check_snapshot_books(root.addr)?;
         for id in [tree::EXTENT, tree::CSUM, tree::FS] {
             if !s.roots.contains_key(&id) {
                 return Err(Error::corrupt(
@@ -534,7 +528,15 @@ impl Store {
             .and_then(|_| self.take_snapshots())
             .and_then(|_| self.settle_trees());
         self.log.enabled = logging;
-        r?;
+        if let Err(e) = r {
+            // Delayed refs and snapshots are half applied in memory: nothing may build
+            // on that (a snapshot's root could even be changed in place).
+            tracing::error!(
+                "commit failed while settling the trees, refusing further changes: {e}"
+            );
+            self.failed = true;
+            return Err(e);
+        }
         let root = self.root(tree::ROOT);
         self.written_roots.insert(tree::ROOT, root);
         let node_size = self.sb.node_size as usize;
@@ -613,6 +615,57 @@ impl Store {
         self.durable_gen = batch.generation;
         self.log.commit_done();
         self.evict_clean();
+    }
+
+    /// Refuses snapshot bookkeeping that would let shared nodes be changed in place or
+    /// ids be given twice (a damaged or hostile image).
+    fn check_snapshot_books(&self, at: u64) -> Result<()> {
+        let bad = |why: String| Err(Error::corrupt("root tree", at, why));
+        if let Some(id) = self
+            .snapshots
+            .keys()
+            .find(|id| !self.roots.contains_key(id))
+        {
+            return bad(format!("snapshot {id} has no root"));
+        }
+        let trees: Vec<u64> = self
+            .roots
+            .keys()
+            .chain(self.dead.keys())
+            .copied()
+            .filter(|&id| id >= objectid::FIRST_SNAPSHOT)
+            .collect();
+        if let Some(&id) = trees
+            .iter()
+            .find(|&&id| !self.snapshots.contains_key(&id) && !self.dead.contains_key(&id))
+        {
+            return bad(format!("tree {id} is neither a snapshot nor deleted"));
+        }
+        if let Some(&id) = trees
+            .iter()
+            .find(|&&id| id >= self.next_snapshot_id || id >= MAX_SNAPSHOT_ID)
+        {
+            return bad(format!(
+                "snapshot tree {id} at or past the next id {}",
+                self.next_snapshot_id
+            ));
+        }
+        if self.next_snapshot_id > MAX_SNAPSHOT_ID {
+            return bad(format!(
+                "next snapshot id {} too large",
+                self.next_snapshot_id
+            ));
+        }
+        if let Some((id, _)) = self
+            .snapshots
+            .iter()
+            .find(|(_, s)| s.generation > self.last_snapshot)
+        {
+            return bad(format!(
+                "snapshot {id} is newer than the last snapshot generation"
+            ));
+        }
+        Ok(())
     }
 
     /// References a tree node has, counting changes queued in this transaction.
@@ -934,7 +987,11 @@ impl NodeStore for Store {
         let mut c = (*n).clone();
         c.hdr.addr = new;
         c.hdr.generation = self.generation;
-        self.cache.remove(&addr);
+        if !shared {
+            // A shared original stays: a snapshot still reads it, maybe before the
+            // commit that wrote it has reached the disk.
+            self.cache.remove(&addr);
+        }
         self.cache.insert(new, Arc::new(c));
         self.dirty.insert(new);
         Ok(new)

@@ -177,6 +177,18 @@ fn the_snapshot_command_works_on_a_mount_and_on_an_image() {
 
     m.mount();
     assert_eq!(fs::read(m.path(".snapshots/offline/f")).unwrap(), b"v2");
+    // More snapshots than one xattr value could list at once.
+    for i in 0..800 {
+        fs::create_dir(m.path(format!(".snapshots/n{i:04}"))).unwrap();
+    }
+    let out = birchfs(["snapshot", "list", "--json", &root]);
+    assert!(out.status.success(), "list of 801: {}", describe(&out));
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(json.matches("\"name\"").count(), 801, "{}", &json[..200]);
+    assert!(json.contains("\"name\":\"n0799\""));
+    for i in 0..800 {
+        fs::remove_dir(m.path(format!(".snapshots/n{i:04}"))).unwrap();
+    }
     let out = birchfs(["snapshot", "delete", &root, "offline"]);
     assert!(out.status.success(), "delete on mount: {}", describe(&out));
     assert_eq!(names(&m.path(".snapshots")), Vec::<String>::new());

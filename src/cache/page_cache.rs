@@ -385,13 +385,13 @@ impl PageCache {
         }
     }
 
-    /// Drops every folio of the inodes numbered `lo..hi` (a deleted snapshot's).
+    /// Drops every folio of the inodes numbered `lo..=hi` (a deleted snapshot's).
     pub(crate) fn discard_inodes(&self, lo: u64, hi: u64) {
         let inos: BTreeSet<u64> = self
             .state
             .lock()
             .folios
-            .range((lo, 0)..(hi, 0))
+            .range((lo, 0)..=(hi, u64::MAX))
             .map(|(k, _)| k.0)
             .collect();
         for ino in inos {

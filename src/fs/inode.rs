@@ -212,6 +212,11 @@ impl Inner {
 
     /// Stores the inode item of `ino` (which includes what was pending).
     pub(crate) fn put_inode(&mut self, ino: u64, item: &mut InodeItem) -> Result<()> {
+        // Snapshot inode numbers are not keys of the live tree (every change of an
+        // inode stores it, so this guards all write paths).
+        if super::snapshot::is_snapshot_ino(ino) {
+            return Err(Error::ReadOnly);
+        }
         self.pending.remove(&ino);
         item.transid = self.store.generation.into();
         self.store

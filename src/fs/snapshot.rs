@@ -77,21 +77,20 @@ pub struct SnapshotInfo {
 }
 
 impl SnapshotInfo {
-    /// The JSON array `birchfs snapshot list --json` prints (names lossily as UTF-8).
+    /// One snapshot as a JSON object (the name lossily as UTF-8).
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "name": String::from_utf8_lossy(&self.name),
+            "id": self.id,
+            "generation": self.generation,
+            "created_sec": self.ctime.sec.get(),
+            "created_nsec": self.ctime.nsec.get(),
+        })
+    }
+
+    /// The JSON array `birchfs snapshot list --json` prints.
     pub fn list_to_json(list: &[SnapshotInfo]) -> String {
-        let v: Vec<serde_json::Value> = list
-            .iter()
-            .map(|s| {
-                serde_json::json!({
-                    "name": String::from_utf8_lossy(&s.name),
-                    "id": s.id,
-                    "generation": s.generation,
-                    "created_sec": s.ctime.sec.get(),
-                    "created_nsec": s.ctime.nsec.get(),
-                })
-            })
-            .collect();
-        serde_json::Value::Array(v).to_string()
+        serde_json::Value::Array(list.iter().map(SnapshotInfo::to_json).collect()).to_string()
     }
 }
 
@@ -212,7 +211,8 @@ impl Fs {
             Ok(id)
         })?;
         // Its files' cached data can never be read again.
-        self.cache.discard_inodes(join(id, 0), join(id + 1, 0));
+        self.cache
+            .discard_inodes(join(id, 0), join(id, LIVE_INO_LIMIT - 1));
         self.commit()?;
         tracing::info!("snapshot {:?} deleted", String::from_utf8_lossy(name));
         Ok(())
@@ -231,6 +231,21 @@ impl Fs {
                 ctime: s.ctime,
             })
             .collect()
+    }
+
+    /// The snapshot whose root directory is `ino`.
+    pub fn snapshot_info(&self, ino: u64) -> Option<SnapshotInfo> {
+        let (t, local) = split(ino);
+        if !is_snapshot_ino(ino) || local != objectid::ROOT_DIR {
+            return None;
+        }
+        let g = self.inner.lock();
+        g.store.snapshots.get(&t).map(|s| SnapshotInfo {
+            name: s.name.clone(),
+            id: t,
+            generation: s.generation,
+            ctime: s.ctime,
+        })
     }
 
     /// Whether deleted snapshots still hold space that [`Fs::drop_deleted`] would free.

@@ -337,3 +337,49 @@ fn check_finds_a_wrong_refcount_on_a_shared_node() {
         "{problems:?}"
     );
 }
+
+#[test]
+fn a_snapshot_reads_its_shared_root_while_the_commit_that_took_it_is_in_flight() {
+    let (dev, fs) = mk(64 * MB);
+    populate(&fs, 50);
+    fs.commit().unwrap();
+    let mut g = fs.inner.lock();
+    // The fs tree's root is new in this transaction: only this commit writes it.
+    g.setxattr(ROOT_INO, b"user.y", b"2", false, false).unwrap();
+    g.store.request_snapshot(b"s").unwrap();
+    // The commit is prepared (the snapshot exists in memory) but its nodes are not on
+    // the device yet, as while another thread writes them without the lock.
+    let batch = g.store.prepare_commit().unwrap();
+    let id = g.store.snapshot_id(b"s").unwrap();
+    // A change to the live tree copies the shared root away from the snapshot...
+    g.setxattr(ROOT_INO, b"user.x", b"1", false, false).unwrap();
+    assert!(fs.stats().shared_cows > 0);
+    // ...and the snapshot must still find it (in the cache: the device lacks it).
+    let root = crate::fs::inode::inode_key(crate::format::objectid::ROOT_DIR);
+    assert!(g.store.search(id, &root).unwrap().is_some());
+    crate::txn::Store::write_commit(dev.as_ref(), &g.store.stats, &batch).unwrap();
+    g.store.finish_commit(batch);
+    drop(g);
+    fs.unmount().unwrap();
+    assert_eq!(check_image(&dev), Vec::<String>::new());
+}
+
+#[test]
+fn an_image_whose_snapshot_books_disagree_is_refused() {
+    let (dev, fs) = mk(64 * MB);
+    fs.snapshot_create(b"s").unwrap();
+    {
+        // Lose the bookkeeping item: the next id and the last snapshot's generation.
+        let mut g = fs.inner.lock();
+        use crate::format::{kind, objectid, tree, Key};
+        let meta = Key::new(objectid::SNAPSHOTS, kind::SNAPSHOT_META, 0);
+        assert!(g.store.delete(tree::ROOT, &meta).unwrap());
+    }
+    fs.unmount().unwrap();
+    let img = Arc::new(MemDev::from_image(dev.image()));
+    match Fs::open(img, Options::default()) {
+        Err(Error::Corrupt { why, .. }) => assert!(why.contains("next id"), "{why}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("mounted an image whose snapshot ids could be given twice"),
+    }
+}
