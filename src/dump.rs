@@ -8,7 +8,7 @@ use crate::dev::BlockDev;
 use crate::error::{Error, Result};
 use crate::format::{
     decode_dir_entries, decode_inode_refs, decode_node, decode_xattrs, kind, tree, ExtentItem,
-    FileExtent, InodeItem, Key, NodeBody, RootItem,
+    FileExtent, InodeItem, Key, NodeBody, RootItem, SnapshotItem, SnapshotMeta,
 };
 use crate::txn::Store;
 
@@ -97,12 +97,43 @@ fn describe(k: &Key, v: &[u8]) -> String {
         kind::EXTENT_CSUM => format!("EXTENT_CSUM {} blocks", v.len() / 4),
         kind::ROOT_ITEM => match RootItem::read_from_bytes(v) {
             Ok(r) => format!(
-                "ROOT_ITEM bytenr {:#x} level {} gen {}",
+                "ROOT_ITEM bytenr {:#x} level {} gen {}{}{}",
                 r.bytenr.get(),
                 r.level,
-                r.generation.get()
+                r.generation.get(),
+                if r.flags.get() & crate::format::root_flag::RDONLY != 0 {
+                    " read-only"
+                } else {
+                    ""
+                },
+                if r.flags.get() & crate::format::root_flag::DEAD != 0 {
+                    " deleted"
+                } else {
+                    ""
+                }
             ),
             Err(_) => "ROOT_ITEM (malformed)".into(),
+        },
+        kind::DROP_PROGRESS => match Key::decode(&mut crate::format::Reader::new(v)) {
+            Some(p) => format!("DROP_PROGRESS dropped below {p:?}"),
+            None => "DROP_PROGRESS (malformed)".into(),
+        },
+        kind::SNAPSHOT_META => match SnapshotMeta::read_from_bytes(v) {
+            Ok(m) => format!(
+                "SNAPSHOT_META next id {} last snapshot gen {}",
+                m.next_id.get(),
+                m.last_snapshot.get()
+            ),
+            Err(_) => "SNAPSHOT_META (malformed)".into(),
+        },
+        kind::SNAPSHOT => match SnapshotItem::decode(v) {
+            Some(snap) => format!(
+                "SNAPSHOT {:?} gen {} created {}",
+                s(&snap.name),
+                snap.generation,
+                snap.ctime.sec.get()
+            ),
+            None => "SNAPSHOT (malformed)".into(),
         },
         kind::EXTENT_ITEM => match ExtentItem::read_from_bytes(v) {
             Ok(e) => format!(
@@ -220,4 +251,36 @@ fn collect_root_items(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::dev::MemDev;
+    use crate::fs::{Fs, MkfsOptions, Options};
+
+    #[test]
+    fn the_root_tree_shows_snapshots_by_name_and_deleted_ones_with_their_progress() {
+        let dev = Arc::new(MemDev::new(64 << 20));
+        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+        let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+        fs.snapshot_create(b"keep").unwrap();
+        fs.snapshot_create(b"gone").unwrap();
+        fs.snapshot_delete(b"gone").unwrap();
+        fs.unmount().unwrap();
+        let mut out = Vec::new();
+        super::dump(dev.as_ref(), Some("root"), &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        for want in [
+            "SNAPSHOT \"keep\" gen",
+            "read-only",
+            "deleted",
+            "DROP_PROGRESS dropped below",
+            "SNAPSHOT_META next id 258",
+        ] {
+            assert!(text.contains(want), "{want:?} missing from:\n{text}");
+        }
+        assert!(!text.contains("\"gone\""), "{text}");
+    }
 }
