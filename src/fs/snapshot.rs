@@ -254,7 +254,7 @@ impl Fs {
     }
 
     /// Frees what deleted snapshots alone held, at most `max_steps` bounded steps (each
-    /// takes the fs lock for about [`DROP_BUDGET`] nodes), committing as it goes and at
+    /// takes the fs lock for about 256 nodes), committing as it goes and at
     /// the end; returns whether more is left. The mount runs this in the background.
     pub fn drop_deleted(&self, max_steps: usize) -> Result<bool> {
         self.drop_deleted_by(max_steps, DROP_BUDGET)
