@@ -742,8 +742,9 @@ impl Store {
             .map(|(id, _)| *id)
     }
 
-    /// Asks the next commit to take a snapshot of the fs tree called `name`.
-    pub(crate) fn request_snapshot(&mut self, name: &[u8]) -> Result<()> {
+    /// Whether a snapshot called `name` could be asked for now: EEXIST if the name is
+    /// taken, ENOSPC when the tree ids have run out.
+    pub(crate) fn can_snapshot(&self, name: &[u8]) -> Result<()> {
         self.writable()?;
         if self.snapshot_exists(name) {
             return Err(Error::Exists);
@@ -751,6 +752,12 @@ impl Store {
         if self.next_snapshot_id + self.pending_snapshots.len() as u64 >= MAX_SNAPSHOT_ID {
             return Err(Error::NoSpace);
         }
+        Ok(())
+    }
+
+    /// Asks the next commit to take a snapshot of the fs tree called `name`.
+    pub(crate) fn request_snapshot(&mut self, name: &[u8]) -> Result<()> {
+        self.can_snapshot(name)?;
         self.pending_snapshots.push(name.to_vec());
         Ok(())
     }

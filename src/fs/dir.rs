@@ -14,7 +14,8 @@ use crate::format::{
     SYMLINK_MAX,
 };
 
-fn check_name(name: &[u8]) -> Result<()> {
+/// A name a directory entry may have (`.` and `..` are the callers' business).
+pub(super) fn check_name(name: &[u8]) -> Result<()> {
     if name.len() > NAME_MAX {
         return Err(Error::NameTooLong);
     }

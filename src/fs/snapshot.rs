@@ -14,8 +14,7 @@
 
 use super::{Attr, DirEntryOut, FileKind, Fs, Inner, ROOT_INO};
 use crate::error::{Error, Result};
-use crate::format::{objectid, tree, Timespec, NAME_MAX};
-use crate::txn::MAX_SNAPSHOT_ID;
+use crate::format::{objectid, tree, Timespec};
 
 /// Name of the snapshot directory in the root.
 pub const SNAPSHOTS_NAME: &[u8] = b".snapshots";
@@ -94,14 +93,10 @@ impl SnapshotInfo {
     }
 }
 
+/// A file name's rules, and neither `.` nor `..`.
 fn check_snapshot_name(name: &[u8]) -> Result<()> {
-    if name.len() > NAME_MAX {
-        return Err(Error::NameTooLong);
-    }
-    if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') {
-        return Err(Error::Invalid("bad snapshot name"));
-    }
-    if name.contains(&0) {
+    super::dir::check_name(name)?;
+    if name == b"." || name == b".." {
         return Err(Error::Invalid("bad snapshot name"));
     }
     Ok(())
@@ -180,16 +175,9 @@ impl Fs {
     /// durable when this returns. EEXIST if the name is taken.
     pub fn snapshot_create(&self, name: &[u8]) -> Result<Attr> {
         check_snapshot_name(name)?;
-        self.with(|i| {
-            i.store.writable()?;
-            if i.store.snapshot_exists(name) {
-                return Err(Error::Exists);
-            }
-            if i.store.snapshots.len() as u64 >= MAX_SNAPSHOT_ID - objectid::FIRST_SNAPSHOT {
-                return Err(Error::NoSpace);
-            }
-            Ok(())
-        })?;
+        // Fails early, before the writeback; `request_snapshot` asks again under the
+        // commit lock.
+        self.with(|i| i.store.can_snapshot(name))?;
         self.writeback_all()?;
         {
             let _c = self.commit_lock.lock();
