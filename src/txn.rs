@@ -852,14 +852,11 @@ impl Store {
         };
         let mut progress = progress;
         let mut budget = budget.max(1);
-        let done = self.drop_rec(
-            root.addr,
-            root.level,
-            Key::MIN,
-            None,
-            &mut progress,
-            &mut budget,
-        )?;
+        let span = (Key::MIN, None);
+        let done = self.drop_shared(root.addr, span, &mut progress, &mut budget)? || {
+            let n = btree::load_root(self, &root)?;
+            self.drop_node(n, span, &mut progress, &mut budget)?
+        };
         if done {
             self.delete(tree::ROOT, &Key::new(id, kind::ROOT_ITEM, 0))?;
             self.delete(tree::ROOT, &Key::new(id, kind::DROP_PROGRESS, 0))?;
@@ -872,35 +869,39 @@ impl Store {
         Ok(!self.dead.is_empty())
     }
 
-    /// Drops the dead tree's reference to the subtree at `addr` (keys in `[lo, hi)`),
-    /// skipping what lies below `progress`. A shared node loses one reference and is not
-    /// entered; a node only this tree holds is entered, and freed after its children.
-    /// A node entered and left part-way was exclusive, so a resumed walk enters it again
-    /// without asking. Returns whether the subtree is done.
-    fn drop_rec(
+    /// The first half of dropping the dead tree's reference to the subtree at `addr`
+    /// (keys in `span`, `[lo, hi)`): a subtree nobody has entered yet (everything
+    /// below `progress` is done) whose root is shared loses that one reference and is
+    /// not entered. Returns whether that settled it; if not, [`Store::drop_node`]
+    /// enters it. A node entered and left part-way was exclusive, so a resumed walk
+    /// enters it again without asking.
+    fn drop_shared(
         &mut self,
         addr: u64,
-        level: u8,
-        lo: Key,
-        hi: Option<Key>,
+        (lo, hi): (Key, Option<Key>),
         progress: &mut Key,
         budget: &mut usize,
     ) -> Result<bool> {
-        let ns = self.sb.node_size as u64;
-        if *progress <= lo && self.node_refs(addr)? > 1 {
-            self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
-            *budget = budget.saturating_sub(1);
-            *progress = hi.unwrap_or(Key::MAX);
-            return Ok(true);
+        if *progress > lo || self.node_refs(addr)? <= 1 {
+            return Ok(false);
         }
-        let n = self.read_node(addr)?;
-        if n.hdr.level != level {
-            return Err(Error::corrupt(
-                "tree node",
-                addr,
-                format!("level {} where {level} was expected", n.hdr.level),
-            ));
-        }
+        self.refs
+            .add(addr, self.sb.node_size as u64, EXTENT_FLAG_TREE, -1);
+        *budget = budget.saturating_sub(1);
+        *progress = hi.unwrap_or(Key::MAX);
+        Ok(true)
+    }
+
+    /// Enters node `n`, which only the dead tree holds: drops what lies at or after
+    /// `progress` below it (children through [`Store::drop_shared`] first), then `n`
+    /// itself. Returns whether the subtree is done (false: the budget ran out).
+    fn drop_node(
+        &mut self,
+        n: Arc<Node>,
+        (lo, hi): (Key, Option<Key>),
+        progress: &mut Key,
+        budget: &mut usize,
+    ) -> Result<bool> {
         match &n.body {
             NodeBody::Leaf(_) => self.leaf_data_refs(&n, -1),
             NodeBody::Internal(ptrs) => {
@@ -912,13 +913,20 @@ impl Store {
                     if *budget == 0 {
                         return Ok(false);
                     }
-                    if !self.drop_rec(*child, level - 1, (*k).max(lo), chi, progress, budget)? {
+                    let span = ((*k).max(lo), chi);
+                    if self.drop_shared(*child, span, progress, budget)? {
+                        continue;
+                    }
+                    let c = btree::load_child(self, &n, i)?;
+                    if !self.drop_node(c, span, progress, budget)? {
                         return Ok(false);
                     }
                 }
             }
         }
-        self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
+        let addr = n.hdr.addr;
+        self.refs
+            .add(addr, self.sb.node_size as u64, EXTENT_FLAG_TREE, -1);
         self.cache.remove(&addr);
         *budget = budget.saturating_sub(1);
         *progress = hi.unwrap_or(Key::MAX);

@@ -4,4 +4,6 @@ mod node;
 mod tree;
 
 pub(crate) use node::Node;
-pub(crate) use tree::{delete, insert, range, search, seek_le, NodeStore, Root};
+pub(crate) use tree::{
+    delete, insert, load_child, load_root, range, search, seek_le, NodeStore, Root,
+};

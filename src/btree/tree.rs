@@ -39,7 +39,8 @@ pub(crate) trait NodeStore {
     fn node_size(&self) -> usize;
 }
 
-fn load_root<S: NodeStore>(s: &mut S, root: &Root) -> Result<Arc<Node>> {
+/// Reads a tree's root node, checking its level and owner against the root item.
+pub(crate) fn load_root<S: NodeStore>(s: &mut S, root: &Root) -> Result<Arc<Node>> {
     let n = s.read_node(root.addr)?;
     if n.hdr.level != root.level || n.hdr.owner != root.owner {
         return Err(Error::corrupt(
@@ -54,7 +55,9 @@ fn load_root<S: NodeStore>(s: &mut S, root: &Root) -> Result<Arc<Node>> {
     Ok(n)
 }
 
-fn load_child<S: NodeStore>(s: &mut S, parent: &Node, i: usize) -> Result<Arc<Node>> {
+/// Reads child `i` of `parent`, checking its level, generation and owner against the
+/// parent's pointer.
+pub(crate) fn load_child<S: NodeStore>(s: &mut S, parent: &Node, i: usize) -> Result<Arc<Node>> {
     let (_, addr, gen) = parent.ptrs()[i];
     let n = s.read_node(addr)?;
     if n.hdr.level + 1 != parent.hdr.level
