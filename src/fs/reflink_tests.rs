@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::tests::{mk, pattern, read_all, remount};
+use super::tests::{mk, pattern, problems_after_unmount, read_all, remount};
 use super::*;
 use crate::dev::MemDev;
 use crate::error::Error;
@@ -14,13 +14,6 @@ const BS: u64 = 4096;
 fn file(fs: &Fs, name: &[u8]) -> u64 {
     let c = Creds { uid: 0, gid: 0 };
     fs.mknod(ROOT_INO, name, 0o644, 0, c).unwrap().ino
-}
-
-/// Runs check on the image as it is after unmount; returns its problems.
-fn problems_after_unmount(dev: &Arc<MemDev>, fs: Fs) -> Vec<String> {
-    fs.unmount().unwrap();
-    let img = MemDev::from_image(dev.image());
-    crate::check::check(&img).unwrap().problems
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::tests::{mk, pattern, read_all, remount};
+use super::tests::{check_image, mk, pattern, problems_after_unmount, read_all, remount};
 use super::*;
 use crate::dev::MemDev;
 use crate::error::Error;
@@ -34,11 +34,6 @@ fn names(fs: &Fs, dir: u64) -> Vec<String> {
         .collect();
     v.sort();
     v
-}
-
-fn check_image(dev: &MemDev) -> Vec<String> {
-    let img = MemDev::from_image(dev.image());
-    crate::check::check(&img).unwrap().problems
 }
 
 /// A tree of many files, so the fs tree has internal nodes and many leaves.
@@ -109,8 +104,7 @@ fn a_snapshot_keeps_what_was_there_while_the_live_tree_changes() {
 
     let fs = remount(&dev, fs);
     check_snapshot(&fs);
-    fs.unmount().unwrap();
-    assert_eq!(check_image(&dev), Vec::<String>::new());
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
 
 #[test]
@@ -195,8 +189,7 @@ fn snapshots_are_read_only_and_their_names_are_checked() {
     let list = fs.snapshot_list();
     assert_eq!(list.len(), 2);
     assert!(list[0].id < list[1].id && list[0].generation < list[1].generation);
-    fs.unmount().unwrap();
-    assert_eq!(check_image(&dev), Vec::<String>::new());
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
 
 #[test]
@@ -241,8 +234,7 @@ fn deleting_a_snapshot_gives_its_space_back() {
         "after the drop {free2} blocks free, before the snapshot {free0}"
     );
     assert!(read_all(&fs, f) == pattern(16 * MB as usize, 2));
-    fs.unmount().unwrap();
-    assert_eq!(check_image(&dev), Vec::<String>::new());
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
 
 #[test]
@@ -288,8 +280,7 @@ fn a_drop_cut_short_is_consistent_and_resumes_after_a_remount() {
         }
         assert!(read_all(&fs, f.ino) == want, "file {i} of snapshot b");
     }
-    fs.unmount().unwrap();
-    assert_eq!(check_image(&crashed), Vec::<String>::new());
+    assert_eq!(problems_after_unmount(&crashed, fs), Vec::<String>::new());
 }
 
 #[test]
@@ -314,8 +305,7 @@ fn fsynced_changes_after_a_snapshot_survive_a_crash() {
     let sf = at(&fs, SNAPSHOTS_INO, "s/f").unwrap().ino;
     assert!(read_all(&fs, sf) == pattern(64 * 1024, 1));
     assert!(at(&fs, SNAPSHOTS_INO, "s/g").is_err());
-    fs.unmount().unwrap();
-    assert_eq!(check_image(&crashed), Vec::<String>::new());
+    assert_eq!(problems_after_unmount(&crashed, fs), Vec::<String>::new());
 }
 
 #[test]
@@ -360,8 +350,7 @@ fn a_snapshot_reads_its_shared_root_while_the_commit_that_took_it_is_in_flight()
     crate::txn::Store::write_commit(dev.as_ref(), &g.store.stats, &batch).unwrap();
     g.store.finish_commit(batch);
     drop(g);
-    fs.unmount().unwrap();
-    assert_eq!(check_image(&dev), Vec::<String>::new());
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
 
 #[test]

@@ -28,6 +28,18 @@ pub(super) fn read_all(fs: &Fs, ino: u64) -> Vec<u8> {
     fs.read(ino, 0, size as u32).unwrap()
 }
 
+/// What check finds on the image of `dev` as it is now.
+pub(super) fn check_image(dev: &MemDev) -> Vec<String> {
+    let img = MemDev::from_image(dev.image());
+    crate::check::check(&img).unwrap().problems
+}
+
+/// Runs check on the image as it is after unmount; returns its problems.
+pub(super) fn problems_after_unmount(dev: &MemDev, fs: Fs) -> Vec<String> {
+    fs.unmount().unwrap();
+    check_image(dev)
+}
+
 pub(super) fn remount(dev: &Arc<MemDev>, fs: Fs) -> Fs {
     fs.unmount().unwrap();
     let dev2 = Arc::new(MemDev::from_image(dev.image()));
