@@ -13,8 +13,15 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn content(t: usize, i: usize, gen: usize) -> Vec<u8> {
-    (0..(4096 + (i * 977 + t * 131) % 9000))
+/// What thread `t` writes to its file `i` in attempt `gen`: 4..13 KiB, or with `big`
+/// 64..640 KiB (enough for the daemon to write it back on an fsync worker).
+fn content(t: usize, i: usize, gen: usize, big: bool) -> Vec<u8> {
+    let len = if big {
+        (64 << 10) + (i * 52_711 + t * 7_919 + gen * 131) % (576 << 10)
+    } else {
+        4096 + (i * 977 + t * 131) % 9000
+    };
+    (0..len)
         .map(|k| (k * 31 + t * 7 + i * 13 + gen) as u8)
         .collect()
 }
@@ -26,6 +33,25 @@ fn long() -> bool {
 #[test]
 fn kill_9_during_fsyncs_loses_nothing_acknowledged() {
     let mut m = Mount::new();
+    kill_9_rounds(&mut m, false);
+}
+
+#[test]
+fn kill_9_during_large_fsyncs_loses_nothing_acknowledged() {
+    let mut m = Mount::new();
+    kill_9_rounds(&mut m, true);
+}
+
+#[test]
+fn kill_9_during_large_fsyncs_on_a_loop_device_loses_nothing_acknowledged() {
+    let mut m = Mount::on_loop_device("2G");
+    kill_9_rounds(&mut m, true);
+}
+
+/// Three rounds of: four threads create and overwrite files with an fsync each (and
+/// now and then one of their directory), kill -9 of the daemon, then every
+/// acknowledged file must hold what was fsynced (or a part of a later attempt).
+fn kill_9_rounds(m: &mut Mount, big: bool) {
     for round in 0..3 {
         let acked: Arc<Mutex<BTreeMap<(usize, usize), usize>>> = Arc::default();
         let tried: Arc<Mutex<BTreeMap<(usize, usize), usize>>> = Arc::default();
@@ -48,7 +74,7 @@ fn kill_9_during_fsyncs_loses_nothing_acknowledged() {
                             .write(true)
                             .truncate(true)
                             .open(&p)?;
-                        f.write_all(&content(t, idx, gen))?;
+                        f.write_all(&content(t, idx, gen, big))?;
                         f.sync_all()?;
                         if i % 5 == 4 {
                             File::open(&dir)?.sync_all()?;
@@ -85,7 +111,7 @@ fn kill_9_during_fsyncs_loses_nothing_acknowledged() {
             // then each block holds that attempt's data or zeros.
             let later = tried[&(t, idx)];
             let partial_later = later != gen && {
-                let want = content(t, idx, later);
+                let want = content(t, idx, later, big);
                 got.len() <= want.len()
                     && got
                         .chunks(4096)
@@ -93,7 +119,7 @@ fn kill_9_during_fsyncs_loses_nothing_acknowledged() {
                         .all(|(g, w)| g == &w[..g.len()] || g.iter().all(|&b| b == 0))
             };
             assert!(
-                got == content(t, idx, gen) || partial_later,
+                got == content(t, idx, gen, big) || partial_later,
                 "{} ({} bytes) holds neither its fsynced content nor a part of a later attempt",
                 p.display(),
                 got.len()
@@ -282,7 +308,7 @@ fn sixteen_threads_of_mixed_work_then_check_and_model_agree() {
                 let p = dir.join(&name);
                 match i % 7 {
                     0..=2 => {
-                        let data = content(t, i, 0);
+                        let data = content(t, i, 0, false);
                         fs::write(&p, &data).unwrap();
                         if i % 2 == 0 {
                             File::open(&p).unwrap().sync_all().unwrap();

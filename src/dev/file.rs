@@ -7,10 +7,17 @@
 //! writeback later. Small writes (log batches, tree nodes, random data blocks) stay
 //! buffered, so an fsync's few blocks go out together with its flush. The kernel keeps
 //! the two paths coherent (a direct write drops cached pages of its range).
+//!
+//! A block device is different: copying into its page cache costs more than the write
+//! (buffered 64 KiB writes to a loop device ran at 0.4 of the speed of the same writes
+//! to a file on the host), so there every aligned write goes direct. Direct writes
+//! wait for the device, so a batch of them (`write_many`: the runs of one writeback,
+//! the nodes of one commit) is submitted at once through an io_uring and waited for
+//! together, falling back to one at a time where io_uring is not available.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
@@ -23,10 +30,19 @@ pub struct FileDev {
     /// The same file opened with O_DIRECT, where the host filesystem allows it.
     direct: Option<File>,
     size: u64,
+    /// A `write_many` batch whose aligned writes add up to at least this sends them
+    /// all direct, together.
+    batch_direct: usize,
 }
 
-/// Writes at least this large (and aligned) bypass the host page cache.
+/// Writes to an image file at least this large (and aligned) bypass the host page cache.
 const DIRECT_MIN: usize = 256 << 10;
+/// A batch of writes to a block device that adds up to this goes direct as a whole.
+const BATCH_DIRECT_BDEV: usize = 64 << 10;
+/// The same for an image file.
+const BATCH_DIRECT_FILE: usize = usize::MAX;
+/// Writes one io_uring submission carries at most.
+const RING_ENTRIES: usize = 64;
 /// Alignment of direct I/O addresses, lengths and buffers.
 const DIRECT_ALIGN: usize = 4096;
 /// Size of each thread's bounce buffer for direct I/O.
@@ -85,6 +101,11 @@ impl FileDev {
             return Err(e);
         }
         let size = file.seek(SeekFrom::End(0))?;
+        let batch_direct = if file.metadata()?.file_type().is_block_device() {
+            BATCH_DIRECT_BDEV
+        } else {
+            BATCH_DIRECT_FILE
+        };
         let direct = if writable {
             use std::os::unix::fs::OpenOptionsExt;
             OpenOptions::new()
@@ -96,7 +117,12 @@ impl FileDev {
         } else {
             None
         };
-        Ok(FileDev { file, direct, size })
+        Ok(FileDev {
+            file,
+            direct,
+            size,
+            batch_direct,
+        })
     }
 
     /// The O_DIRECT file, if `len` bytes at `off` should go through it.
@@ -147,6 +173,85 @@ impl FileDev {
     }
 }
 
+thread_local! {
+    /// Each thread's io_uring for batches of direct writes: `None` until first used,
+    /// `Some(None)` where the kernel refused one.
+    static RING: std::cell::RefCell<Option<Option<io_uring::IoUring>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Writes every `(buf, off)` of `writes` (at most [`RING_ENTRIES`], buffers aligned)
+/// to `d` through this thread's io_uring, all in flight at once; returns them
+/// unwritten (`Ok(false)`) when there is no ring to use.
+fn ring_write(d: &File, writes: &[(&[u8], u64)]) -> io::Result<bool> {
+    use io_uring::{opcode, types};
+    debug_assert!(writes.len() <= RING_ENTRIES);
+    RING.with(|r| {
+        let mut r = r.borrow_mut();
+        let slot = r.get_or_insert_with(|| io_uring::IoUring::new(RING_ENTRIES as u32).ok());
+        let Some(ring) = slot.as_mut() else {
+            return Ok(false);
+        };
+        let fd = types::Fd(d.as_raw_fd());
+        for (i, &(buf, off)) in writes.iter().enumerate() {
+            let e = opcode::Write::new(fd, buf.as_ptr(), buf.len() as u32)
+                .offset(off)
+                .build()
+                .user_data(i as u64);
+            // SAFETY: every buffer outlives this call, and the call does not return
+            // before the kernel has completed every entry it was given (below).
+            if unsafe { ring.submission().push(&e) }.is_err() {
+                unreachable!("the queue holds RING_ENTRIES entries and starts empty");
+            }
+        }
+        let mut submitted = 0;
+        let mut done = vec![0usize; writes.len()];
+        let mut reaped = 0;
+        let mut first_err: Option<io::Error> = None;
+        let mut tries = 0;
+        while reaped < writes.len() {
+            match ring.submit_and_wait(writes.len() - reaped) {
+                Ok(n) => submitted += n,
+                Err(e) if submitted == 0 && e.raw_os_error() != Some(libc::EINTR) => {
+                    // Nothing reached the kernel: drop the ring (and the entries in
+                    // it) and let the caller write one at a time.
+                    tracing::warn!("io_uring submit failed ({e}); writing without it");
+                    *slot = None;
+                    return Ok(false);
+                }
+                Err(e) => {
+                    // Entries are in flight: keep waiting for them, whatever happens.
+                    tries += 1;
+                    if tries % 1000 == 0 {
+                        tracing::error!("io_uring wait keeps failing: {e}");
+                    }
+                    std::thread::yield_now();
+                }
+            }
+            for cqe in ring.completion() {
+                reaped += 1;
+                let i = cqe.user_data() as usize;
+                match usize::try_from(cqe.result()) {
+                    Ok(n) => done[i] = n,
+                    Err(_) => {
+                        first_err.get_or_insert(io::Error::from_raw_os_error(-cqe.result()));
+                    }
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        // A short direct write is legal, if rare: finish it synchronously.
+        for (&(buf, off), &n) in writes.iter().zip(&done) {
+            if n < buf.len() {
+                d.write_all_at(&buf[n..], off + n as u64)?;
+            }
+        }
+        Ok(true)
+    })
+}
+
 impl BlockDev for FileDev {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         if let Some(d) = self.direct_for(buf.len(), off) {
@@ -163,10 +268,163 @@ impl BlockDev for FileDev {
         }
         self.file.write_all_at(buf, off)
     }
+    fn write_many(&self, writes: &[(&[u8], u64)]) -> io::Result<()> {
+        if writes
+            .iter()
+            .any(|&(buf, off)| off + buf.len() as u64 > self.size)
+        {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        let Some(d) = self.direct.as_ref() else {
+            return writes
+                .iter()
+                .try_for_each(|&(b, off)| self.file.write_all_at(b, off));
+        };
+        let aligned = |b: &[u8], off: u64| {
+            b.as_ptr() as usize % DIRECT_ALIGN == 0
+                && b.len() % DIRECT_ALIGN == 0
+                && off % DIRECT_ALIGN as u64 == 0
+        };
+        let total: usize = writes
+            .iter()
+            .filter(|&&(b, off)| aligned(b, off))
+            .map(|(b, _)| b.len())
+            .sum();
+        let min = if total >= self.batch_direct {
+            DIRECT_ALIGN
+        } else {
+            DIRECT_MIN
+        };
+        let mut batch: Vec<(&[u8], u64)> = Vec::with_capacity(writes.len().min(RING_ENTRIES));
+        for &(buf, off) in writes {
+            if buf.len() >= min && aligned(buf, off) {
+                batch.push((buf, off));
+            } else {
+                self.write_at(buf, off)?;
+            }
+        }
+        for chunk in batch.chunks(RING_ENTRIES) {
+            if chunk.len() > 1 && ring_write(d, chunk)? {
+                continue;
+            }
+            for &(buf, off) in chunk {
+                d.write_all_at(buf, off)?;
+            }
+        }
+        Ok(())
+    }
     fn flush(&self) -> io::Result<()> {
         self.file.sync_data()
     }
     fn size(&self) -> u64 {
         self.size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dev::AlignedBuf;
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect()
+    }
+
+    /// A device over a fresh 16 MiB file in /var/tmp (a disk filesystem, where
+    /// O_DIRECT works; /tmp may be tmpfs).
+    fn device() -> (tempfile::TempDir, FileDev) {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let path = dir.path().join("img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
+        let dev = FileDev::open(&path, true).unwrap();
+        (dir, dev)
+    }
+
+    /// Writes a batch mixing large aligned writes (direct, through the ring when
+    /// there is one), small ones and an unaligned one, then reads every byte back.
+    fn write_many_round_trip(dev: &FileDev) {
+        let mut want = vec![0u8; 16 << 20];
+        let big: Vec<AlignedBuf> = (0..5)
+            .map(|k| {
+                let mut b = AlignedBuf::default();
+                b.extend_from_slice(&pattern(256 << 10, k as u8 + 1));
+                b
+            })
+            .collect();
+        let small = pattern(4096, 0x55);
+        let odd = pattern(1000, 0xaa);
+        let mut writes: Vec<(&[u8], u64)> = Vec::new();
+        for (k, b) in big.iter().enumerate() {
+            // Out of address order, and one right after another.
+            let off = [(3 << 20), (1 << 20), (1 << 20) + (256 << 10), (9 << 20), 0][k];
+            writes.push((&b[..], off));
+        }
+        writes.push((&small, 5 << 20));
+        writes.push((&odd, (6 << 20) + 17));
+        for &(b, off) in &writes {
+            want[off as usize..off as usize + b.len()].copy_from_slice(b);
+        }
+        dev.write_many(&writes).unwrap();
+        dev.flush().unwrap();
+        let tried = RING.with(|r| r.borrow().as_ref().map(|ring| ring.is_some()));
+        assert!(
+            tried.is_some(),
+            "the large direct writes went one at a time"
+        );
+        if tried == Some(false) {
+            eprintln!("note: no io_uring here; the batch was written one piece at a time");
+        }
+        let mut got = vec![0u8; 16 << 20];
+        for (k, chunk) in got.chunks_mut(1 << 20).enumerate() {
+            dev.read_at(chunk, (k as u64) << 20).unwrap();
+        }
+        assert!(got == want, "write_many wrote something else than asked");
+    }
+
+    #[test]
+    fn write_many_writes_every_piece_where_asked() {
+        let (_d, dev) = device();
+        write_many_round_trip(&dev);
+    }
+
+    #[test]
+    fn write_many_as_for_a_block_device_sends_the_whole_batch_direct() {
+        let (_d, mut dev) = device();
+        dev.batch_direct = BATCH_DIRECT_BDEV;
+        write_many_round_trip(&dev);
+        // Direct overwrites of blocks the host has cached (read buffered above) are
+        // what later buffered reads see.
+        let mut b = AlignedBuf::default();
+        b.extend_from_slice(&pattern(64 << 10, 7));
+        let small = pattern(4096, 9);
+        dev.write_many(&[(&b[..], 4096), (&small, 128 << 10)])
+            .unwrap();
+        let mut got = vec![0u8; 128 << 10];
+        dev.read_at(&mut got, 4096).unwrap();
+        assert!(
+            got[..64 << 10] == pattern(64 << 10, 7)[..],
+            "the direct overwrite was lost"
+        );
+        assert!(
+            got[(128 << 10) - 4096..] == small[..],
+            "the small write was lost"
+        );
+    }
+
+    #[test]
+    fn write_many_past_the_end_is_enospc_and_writes_nothing() {
+        let (_d, dev) = device();
+        let mut b = AlignedBuf::default();
+        b.extend_from_slice(&pattern(256 << 10, 3));
+        let r = dev.write_many(&[(&b[..], 0), (&b[..], (16 << 20) - 4096)]);
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ENOSPC));
+        let mut got = vec![1u8; 256 << 10];
+        dev.read_at(&mut got, 0).unwrap();
+        assert!(got.iter().all(|&x| x == 0), "the batch was refused whole");
     }
 }

@@ -18,6 +18,14 @@ pub trait BlockDev: Send + Sync {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()>;
     /// Writes all of `buf` at `off`; not durable until `flush`.
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
+    /// Writes each `(buf, off)` pair, as `write_at` would; a device that can keep
+    /// several writes in flight at once does, so the pieces must not overlap.
+    fn write_many(&self, writes: &[(&[u8], u64)]) -> io::Result<()> {
+        for &(buf, off) in writes {
+            self.write_at(buf, off)?;
+        }
+        Ok(())
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
     /// Size in bytes.

@@ -608,21 +608,48 @@ pub(crate) fn write_extents(
     space: &[(u64, u64)],
     buf: &[u8],
 ) -> Result<Vec<Vec<u8>>> {
-    let mut pos = 0usize;
-    let mut all = Vec::with_capacity(space.len());
-    for &(addr, got) in space {
-        let chunk = &buf[pos..pos + got as usize];
-        dev.write_at(chunk, addr)?;
-        Stats::add(&stats.dev_data_bytes, got);
-        all.push(
-            chunk
-                .chunks(BS as usize)
-                .flat_map(|b| csum(b).to_le_bytes())
-                .collect(),
-        );
-        pos += got as usize;
+    let mut all = write_runs_to(dev, stats, &[(space, buf)])?;
+    Ok(all.pop().unwrap_or_default())
+}
+
+/// A run to write: the extents (address, length) that hold it, and its bytes.
+pub(crate) type RunToWrite<'a> = (&'a [(u64, u64)], &'a [u8]);
+
+/// Writes each `(space, buf)` run as [`write_extents`] does, with every extent's
+/// write of every run handed to the device at once (so it may keep them all in
+/// flight); returns the checksums per run, per extent.
+pub(crate) fn write_runs_to(
+    dev: &dyn BlockDev,
+    stats: &Stats,
+    runs: &[RunToWrite],
+) -> Result<Vec<Vec<Vec<u8>>>> {
+    let mut writes: Vec<(&[u8], u64)> = Vec::new();
+    for &(space, buf) in runs {
+        let mut pos = 0usize;
+        for &(addr, got) in space {
+            writes.push((&buf[pos..pos + got as usize], addr));
+            pos += got as usize;
+        }
     }
-    Ok(all)
+    dev.write_many(&writes)?;
+    let mut w = writes.iter();
+    let sums = runs
+        .iter()
+        .map(|(space, _)| {
+            space
+                .iter()
+                .zip(&mut w)
+                .map(|(_, (chunk, _))| {
+                    Stats::add(&stats.dev_data_bytes, chunk.len() as u64);
+                    chunk
+                        .chunks(BS as usize)
+                        .flat_map(|b| csum(b).to_le_bytes())
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    Ok(sums)
 }
 
 /// One contiguous run of disk blocks a read needs.

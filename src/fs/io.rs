@@ -378,6 +378,11 @@ impl Fs {
         Ok(())
     }
 
+    /// Bytes of `ino`'s data dirty in the cache, waiting for writeback.
+    pub fn dirty_bytes_of(&self, ino: u64) -> u64 {
+        self.cache.dirty_blocks_of(ino) * BS
+    }
+
     /// Writes back up to about `max` bytes of the dirty blocks of `ino` (all of them
     /// with `u64::MAX`); returns the bytes written.
     ///
@@ -476,19 +481,21 @@ impl Fs {
             }
             Ok(v)
         })?;
-        let mut sums = Vec::with_capacity(runs.len());
-        for (r, space) in runs.iter().zip(&spaces) {
-            match super::file::write_extents(self.dev.as_ref(), &self.stats, space, &r.buf) {
-                Ok(s) => sums.push(s),
-                Err(e) => {
-                    let mut g = self.inner.lock();
-                    for s in &spaces {
-                        g.release_space(s);
-                    }
-                    return Err(e);
+        let batch: Vec<super::file::RunToWrite> = runs
+            .iter()
+            .zip(&spaces)
+            .map(|(r, s)| (s.as_slice(), &r.buf[..]))
+            .collect();
+        let sums = match super::file::write_runs_to(self.dev.as_ref(), &self.stats, &batch) {
+            Ok(s) => s,
+            Err(e) => {
+                let mut g = self.inner.lock();
+                for s in &spaces {
+                    g.release_space(s);
                 }
+                return Err(e);
             }
-        }
+        };
         Stats::add(&self.stats.writeback_runs, runs.len() as u64);
         let placed: Vec<super::file::WrittenRun> = runs
             .iter()

@@ -256,6 +256,8 @@ pub struct Mount {
     mounted: bool,
     /// Number of mount attempts; names the per-attempt daemon log files.
     attempts: u32,
+    /// The loop device `img` names, detached on drop.
+    loop_dev: Option<PathBuf>,
 }
 
 impl Mount {
@@ -313,7 +315,39 @@ impl Mount {
             opts: Vec::new(),
             mounted: false,
             attempts: 0,
+            loop_dev: None,
         }
+    }
+
+    /// A sparse file of `size` on a loop device (direct I/O, as the benchmark sets it
+    /// up), formatted and mounted there: birchfs over a block device.
+    #[track_caller]
+    pub fn on_loop_device(size: &str) -> Mount {
+        let mut m = Mount::bare();
+        let backing = m.base.join("backing");
+        let out = run(
+            Command::new("truncate").args(["-s", size]).arg(&backing),
+            MKFS_TIMEOUT,
+        );
+        assert!(out.status.success(), "truncate failed:\n{}", describe(&out));
+        let out = run(
+            Command::new("losetup")
+                .args(["--direct-io=on", "-f", "--show"])
+                .arg(&backing),
+            MKFS_TIMEOUT,
+        );
+        assert!(
+            out.status.success(),
+            "losetup failed (the test needs root and loop devices):\n{}",
+            describe(&out)
+        );
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        m.img = dev.clone();
+        m.loop_dev = Some(dev);
+        let out = m.mkfs(&["--force"]);
+        assert!(out.status.success(), "mkfs failed:\n{}", describe(&out));
+        m.mount_with(&[]);
+        m
     }
 
     #[track_caller]
@@ -625,6 +659,15 @@ impl Drop for Mount {
                 if let Some(t) = self.tmp.take() {
                     std::mem::forget(t);
                 }
+            }
+        }
+        if let Some(dev) = self.loop_dev.take() {
+            if self.mounted {
+                eprintln!("birchfs test fixture: leaving {} attached", dev.display());
+            } else if let Err(e) =
+                try_run(Command::new("losetup").arg("-d").arg(&dev), UMOUNT_TIMEOUT)
+            {
+                eprintln!("birchfs test fixture: losetup -d {}: {e}", dev.display());
             }
         }
         if panicking {
