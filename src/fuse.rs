@@ -24,7 +24,8 @@ use fuser::{
 
 use crate::error::Error;
 use crate::fs::{
-    is_snapshot_ino, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr, TimeSet, ROOT_INO,
+    is_snapshot_ino, without_suid, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr,
+    TimeSet, ROOT_INO,
 };
 
 const TTL: Duration = Duration::from_secs(1);
@@ -48,15 +49,100 @@ type PendingFsync = (u64, ReplyEmpty, std::time::Instant);
 pub struct FuseFs {
     fs: Arc<Fs>,
     fsyncs: Arc<FsyncQueue>,
+    workers: FsyncWorkers,
 }
 
 impl FuseFs {
     /// Serves `fs` through FUSE.
     pub fn new(fs: Arc<Fs>) -> FuseFs {
+        let fsyncs = Arc::new(FsyncQueue::default());
+        let workers = FsyncWorkers::start(&fs, &fsyncs);
         FuseFs {
             fs,
-            fsyncs: Arc::new(FsyncQueue::default()),
+            fsyncs,
+            workers,
         }
+    }
+}
+
+/// An fsync handed to a worker: inode, datasync, reply, arrival.
+type FsyncJob = (u64, bool, ReplyEmpty, std::time::Instant);
+
+/// An fsync whose file has at least this much dirty data in birchfs's cache is handed
+/// to a worker, since writing that data back blocks for the device.
+const OFFLOAD_DIRTY: u64 = 64 << 10;
+
+/// Threads that write back the data of large fsyncs.
+const FSYNC_WORKERS: usize = 4;
+
+/// The fsyncs that must write data back first run on worker threads, so the FUSE
+/// request threads (one per CPU) stay free for the WRITE requests the kernel sends
+/// meanwhile: with the writeback cache, every fsync is preceded by WRITEs of the
+/// kernel's dirty pages, and those of other files waited behind a request thread
+/// parked on its device writes (W2: 4 writers, 2 request threads).
+struct FsyncWorkers {
+    tx: Option<std::sync::mpsc::Sender<FsyncJob>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl FsyncWorkers {
+    fn start(fs: &Arc<Fs>, queue: &Arc<FsyncQueue>) -> FsyncWorkers {
+        let (tx, rx) = std::sync::mpsc::channel::<FsyncJob>();
+        let rx = Arc::new(parking_lot::Mutex::new(rx));
+        let mut threads = Vec::new();
+        for n in 0..FSYNC_WORKERS {
+            let (fs, queue, rx) = (fs.clone(), queue.clone(), rx.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("fsync-{n}"))
+                .spawn(move || loop {
+                    let job = rx.lock().recv();
+                    let Ok((ino, datasync, reply, t0)) = job else {
+                        break;
+                    };
+                    sync_or_queue(&fs, &queue, ino, datasync, reply, t0);
+                });
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => tracing::warn!("cannot start an fsync worker: {e}"),
+            }
+        }
+        FsyncWorkers {
+            tx: (!threads.is_empty()).then_some(tx),
+            threads,
+        }
+    }
+}
+
+impl Drop for FsyncWorkers {
+    /// Lets the workers finish what they hold, then waits for them.
+    fn drop(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Writes back the data of `ino`, then answers the fsync at once or queues it for
+/// the group commit.
+fn sync_or_queue(
+    fs: &Fs,
+    queue: &FsyncQueue,
+    ino: u64,
+    datasync: bool,
+    reply: ReplyEmpty,
+    t0: std::time::Instant,
+) {
+    match fs.fsync_target(ino, datasync) {
+        Err(e) => {
+            fs.record_fsync_latency(t0.elapsed());
+            reply.error(errno(&e))
+        }
+        Ok(None) => {
+            fs.record_fsync_latency(t0.elapsed());
+            reply.ok()
+        }
+        Ok(Some(t)) => queue.submit(fs, (t, reply, t0)),
     }
 }
 
@@ -110,6 +196,22 @@ impl FsyncQueue {
             tracing::error!("commit of a full log failed: {e}");
         }
     }
+}
+
+/// The capability that lets a process modify a set-id file and keep its set-id bits.
+const CAP_FSETID: u32 = 4;
+
+/// Whether the process (or thread) `pid` has CAP_FSETID in its effective set; unknown
+/// (it has exited) counts as no, which errs toward clearing the bits.
+fn has_fsetid(pid: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_FSETID) != 0)
 }
 
 fn to_ino(fuse: INodeNo) -> u64 {
@@ -192,21 +294,57 @@ impl FuseFs {
         (c, sgid)
     }
 
+    /// Whether `ino` is a non-directory with set-id bits that a change would clear.
+    fn has_suid(&self, ino: u64) -> bool {
+        self.fs.getattr(ino).is_ok_and(|a| {
+            let perm = u32::from(a.perm);
+            a.kind != FileKind::Dir && without_suid(perm) != perm
+        })
+    }
+
+    /// Clears the set-id bits of `ino` (and with `caps` its file capabilities) after a
+    /// change of its data: the kernel leaves this to the filesystem
+    /// (FUSE_HANDLE_KILLPRIV_V2). Failures are logged; the change itself stands.
+    fn drop_privs(&self, ino: u64, caps: bool) {
+        if self.has_suid(ino) {
+            let set = SetAttr {
+                kill_suid: true,
+                ..Default::default()
+            };
+            if let Err(e) = self.fs.setattr(ino, &set) {
+                tracing::warn!("clearing the set-id bits of inode {ino} failed: {e}");
+            }
+        }
+        if caps {
+            match self.fs.removexattr(ino, b"security.capability") {
+                Ok(()) | Err(Error::NoData) => {}
+                Err(e) => tracing::warn!("dropping the capabilities of inode {ino} failed: {e}"),
+            }
+        }
+    }
+
+    /// [`FuseFs::drop_privs`] for a change the kernel does not flag (fallocate,
+    /// copy_file_range): when the caller lacks CAP_FSETID, as the VFS decides.
+    fn drop_privs_unless_fsetid(&self, req: &Request, ino: u64) {
+        if self.has_suid(ino) && !has_fsetid(req.pid()) {
+            self.drop_privs(ino, false);
+        }
+    }
+
     /// fsync and fdatasync: answered at once when nothing they need is new, else by the
-    /// syncer.
+    /// group commit; one with much data to write back first goes to a worker.
     fn queue_fsync(&self, ino: u64, datasync: bool, reply: ReplyEmpty) {
         let t0 = std::time::Instant::now();
-        match self.fs.fsync_target(ino, datasync) {
-            Err(e) => {
-                self.fs.record_fsync_latency(t0.elapsed());
-                reply.error(errno(&e))
+        let reply = match &self.workers.tx {
+            Some(tx) if self.fs.dirty_bytes_of(ino) >= OFFLOAD_DIRTY => {
+                match tx.send((ino, datasync, reply, t0)) {
+                    Ok(()) => return,
+                    Err(std::sync::mpsc::SendError((_, _, reply, _))) => reply,
+                }
             }
-            Ok(None) => {
-                self.fs.record_fsync_latency(t0.elapsed());
-                reply.ok()
-            }
-            Ok(Some(t)) => self.fsyncs.submit(&self.fs, (t, reply, t0)),
-        }
+            _ => reply,
+        };
+        sync_or_queue(&self.fs, &self.fsyncs, ino, datasync, reply, t0)
     }
 
     fn entry(&self, r: crate::Result<Attr>, reply: ReplyEntry) {
@@ -247,6 +385,10 @@ impl Filesystem for FuseFs {
             let _ = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE);
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // We clear set-id bits on write, truncate and chown ourselves; in return the
+        // kernel stops asking for security.capability before every write() (one
+        // GETXATTR round trip per write without it).
+        let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_readahead(1 << 20);
         let _ = config.set_max_background(64);
@@ -277,7 +419,7 @@ impl Filesystem for FuseFs {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -293,6 +435,12 @@ impl Filesystem for FuseFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let ino = to_ino(ino);
+        // A chown clears set-id bits always, a truncate unless the caller has
+        // CAP_FSETID (the kernel leaves both to us: FUSE_HANDLE_KILLPRIV_V2).
+        let chown = uid.is_some() || gid.is_some();
+        let kill_suid =
+            (chown || size.is_some()) && self.has_suid(ino) && (chown || !has_fsetid(req.pid()));
         let set = SetAttr {
             mode,
             uid,
@@ -301,8 +449,9 @@ impl Filesystem for FuseFs {
             atime: atime.map(time_set),
             mtime: mtime.map(time_set),
             ctime,
+            kill_suid,
         };
-        match self.fs.setattr(to_ino(ino), &set) {
+        match self.fs.setattr(ino, &set) {
             Ok(a) => reply.attr(&TTL, &fattr(&a)),
             Err(e) => reply.error(errno(&e)),
         }
@@ -462,12 +611,16 @@ impl Filesystem for FuseFs {
         _fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        match self.fs.write(to_ino(ino), offset, data) {
+        let ino = to_ino(ino);
+        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            self.drop_privs(ino, true);
+        }
+        match self.fs.write(ino, offset, data) {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(errno(&e)),
         }
@@ -707,7 +860,7 @@ impl Filesystem for FuseFs {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -724,7 +877,10 @@ impl Filesystem for FuseFs {
             punch_hole: mode & libc::FALLOC_FL_PUNCH_HOLE != 0,
         };
         match self.fs.fallocate(to_ino(ino), offset, length, m) {
-            Ok(()) => reply.ok(),
+            Ok(()) => {
+                self.drop_privs_unless_fsetid(req, to_ino(ino));
+                reply.ok()
+            }
             Err(e) => reply.error(errno(&e)),
         }
     }
@@ -734,7 +890,7 @@ impl Filesystem for FuseFs {
     /// from its cache and drops the target's pages afterwards.
     fn copy_file_range(
         &self,
-        _req: &Request,
+        req: &Request,
         ino_in: INodeNo,
         _fh_in: FileHandle,
         offset_in: u64,
@@ -757,7 +913,10 @@ impl Filesystem for FuseFs {
             .fs
             .copy_file_range(to_ino(ino_in), offset_in, to_ino(ino_out), offset_out, len)
         {
-            Ok(n) => reply.written(n as u32),
+            Ok(n) => {
+                self.drop_privs_unless_fsetid(req, to_ino(ino_out));
+                reply.written(n as u32)
+            }
             Err(e) => reply.error(errno(&e)),
         }
     }

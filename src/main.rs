@@ -544,6 +544,8 @@ fn mount_serve(
     if let Some(mut f) = ready.take() {
         let _ = f.write_all(b"ok\n");
     }
+    // `run` consumes the session and with it the filesystem, whose drop waits for the
+    // fsync workers: the final commit comes after any writeback they were doing.
     let r = session.run();
     fs.commit().context("final commit failed")?;
     r.context("FUSE session failed")?;

@@ -13,6 +13,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{
     symlink, DirBuilderExt, FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt,
 };
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -1201,6 +1202,70 @@ fn write_by_unprivileged_user_clears_setuid() {
 // ---------------------------------------------------------------------------
 // permissions (kernel checks through default_permissions)
 // ---------------------------------------------------------------------------
+
+/// With FUSE_HANDLE_KILLPRIV_V2 the kernel leaves clearing set-id bits to the
+/// filesystem for truncate, fallocate and copy_file_range too: a caller without
+/// CAP_FSETID loses them, root keeps them, a directory or a mode without group
+/// execute keeps S_ISGID.
+#[test]
+fn truncate_fallocate_and_copy_by_unprivileged_user_clear_setuid() {
+    let mut m = Mount::new();
+    let f = m.path("suid");
+    let src = m.path("src");
+    fs::write(&f, vec![7u8; 8192]).unwrap();
+    fs::write(&src, vec![9u8; 8192]).unwrap();
+    chmod(&src, 0o644).unwrap();
+    let as_nobody = |what: &str, op: &(dyn Fn(&File) -> std::io::Result<()> + Sync)| {
+        chmod(&f, 0o6777).unwrap();
+        run_as(NOBODY, NOGROUP, || {
+            let h = OpenOptions::new().write(true).open(&f)?;
+            op(&h)
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(
+            perm(stat(&f).mode()),
+            0o777,
+            "{what} by nobody keeps set-id bits"
+        );
+    };
+    as_nobody("ftruncate", &|h| h.set_len(4096));
+    as_nobody("extending ftruncate", &|h| h.set_len(12288));
+    as_nobody("fallocate", &|h| fallocate(h, 0, 0, 65536));
+    as_nobody("copy_file_range", &|h| {
+        let s = File::open(&src)?;
+        let (mut a, mut b) = (0i64, 4096i64);
+        // SAFETY: valid fds and offsets owned by this frame.
+        let r =
+            unsafe { libc::copy_file_range(s.as_raw_fd(), &mut a, h.as_raw_fd(), &mut b, 4096, 0) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    });
+    // truncate(2) by path, and O_TRUNC
+    chmod(&f, 0o6777).unwrap();
+    run_as(NOBODY, NOGROUP, || truncate(&f, 100)).unwrap();
+    assert_eq!(perm(stat(&f).mode()), 0o777, "truncate(2) by nobody");
+    chmod(&f, 0o6777).unwrap();
+    run_as(NOBODY, NOGROUP, || {
+        OpenOptions::new().write(true).truncate(true).open(&f)
+    })
+    .unwrap();
+    assert_eq!(perm(stat(&f).mode()), 0o777, "O_TRUNC by nobody");
+    // S_ISGID without group execute marks mandatory locking and stays.
+    chmod(&f, 0o6766).unwrap();
+    run_as(NOBODY, NOGROUP, || truncate(&f, 10)).unwrap();
+    assert_eq!(perm(stat(&f).mode()), 0o2766, "S_ISGID without g+x stays");
+    // root has CAP_FSETID
+    chmod(&f, 0o6755).unwrap();
+    truncate(&f, 50).unwrap();
+    fallocate(&File::options().write(true).open(&f).unwrap(), 0, 0, 8192).unwrap();
+    assert_eq!(perm(stat(&f).mode()), 0o6755, "root keeps set-id bits");
+    m.remount();
+    assert_eq!(perm(stat(&f).mode()), 0o6755);
+    assert_eq!(fs::metadata(&f).unwrap().len(), 8192);
+    m.unmount();
+}
 
 #[test]
 fn permission_checks_for_an_unprivileged_user() {

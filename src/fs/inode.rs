@@ -131,6 +131,24 @@ pub struct SetAttr {
     pub mtime: Option<TimeSet>,
     /// New change time (otherwise ctime becomes now on any change).
     pub ctime: Option<SystemTime>,
+    /// Clears S_ISUID, and S_ISGID where the group may execute, of a non-directory
+    /// (before `mode` applies): what a chown, or a write or truncate by a caller
+    /// without CAP_FSETID, does.
+    pub kill_suid: bool,
+}
+
+/// `mode` after a write, truncate or chown that drops privileges: without S_ISUID, and
+/// without S_ISGID where the group may execute (otherwise S_ISGID marks mandatory
+/// locking and stays); directories keep both.
+pub fn without_suid(mode: u32) -> u32 {
+    if mode & libc::S_IFMT == libc::S_IFDIR {
+        return mode;
+    }
+    let mut kill = libc::S_ISUID;
+    if mode & libc::S_IXGRP != 0 {
+        kill |= libc::S_ISGID;
+    }
+    mode & !kill
 }
 
 pub(crate) fn inode_key(ino: u64) -> Key {
@@ -309,6 +327,9 @@ impl Inner {
             }
             self.truncate(ino, &mut i, size)?;
             i.mtime = now;
+        }
+        if set.kill_suid {
+            i.mode = without_suid(i.mode.get()).into();
         }
         if let Some(m) = set.mode {
             i.mode = ((i.mode.get() & libc::S_IFMT) | (m & 0o7777)).into();

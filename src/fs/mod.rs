@@ -27,7 +27,7 @@ use crate::format::{objectid, tree, Key, Timespec};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
 
-pub use inode::{Attr, FileKind, SetAttr, TimeSet};
+pub use inode::{without_suid, Attr, FileKind, SetAttr, TimeSet};
 pub use snapshot::{is_snapshot_ino, SnapshotInfo, SNAPSHOTS_INO, SNAPSHOTS_NAME};
 pub use space::SpaceUsage;
 
