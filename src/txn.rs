@@ -568,23 +568,27 @@ impl Store {
         stats: &Stats,
         batch: &CommitBatch,
     ) -> Result<()> {
-        let mut i = 0;
-        while i < batch.nodes.len() {
-            // Coalesce nodes at consecutive addresses into one write.
-            let start = batch.nodes[i].0;
-            let mut buf = batch.nodes[i].1.clone();
-            let mut j = i + 1;
-            while j < batch.nodes.len()
-                && batch.nodes[j].0 == start + buf.len() as u64
-                && buf.len() < (1 << 20)
-            {
-                buf.extend_from_slice(&batch.nodes[j].1);
-                j += 1;
+        // Coalesce nodes at consecutive addresses into one write; the device gets
+        // them all at once.
+        let mut runs: Vec<(u64, crate::dev::AlignedBuf)> = Vec::new();
+        for (addr, node) in &batch.nodes {
+            match runs.last_mut() {
+                Some((start, buf))
+                    if *start + buf.len() as u64 == *addr && buf.len() < (1 << 20) =>
+                {
+                    buf.extend_from_slice(node)
+                }
+                _ => {
+                    let mut buf = crate::dev::AlignedBuf::default();
+                    buf.extend_from_slice(node);
+                    runs.push((*addr, buf));
+                }
             }
-            dev.write_at(&buf, start)?;
-            Stats::add(&stats.dev_meta_bytes, buf.len() as u64);
-            i = j;
         }
+        let writes: Vec<(&[u8], u64)> = runs.iter().map(|(a, b)| (&b[..], *a)).collect();
+        dev.write_many(&writes)?;
+        let bytes: usize = runs.iter().map(|(_, b)| b.len()).sum();
+        Stats::add(&stats.dev_meta_bytes, bytes as u64);
         dev.flush()?;
         for (off, buf) in &batch.supers {
             dev.write_at(buf, *off)?;
