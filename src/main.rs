@@ -520,6 +520,18 @@ fn mount_serve(
                 }
             })?;
     }
+    {
+        // Reads the next window of sequential readers while they take this one.
+        let weak = Arc::downgrade(&fs);
+        std::thread::Builder::new()
+            .name("readahead".into())
+            .spawn(move || loop {
+                let Some(fs) = weak.upgrade() else { break };
+                if let Err(e) = fs.readahead_step(Duration::from_secs(1)) {
+                    tracing::debug!("readahead failed: {e}");
+                }
+            })?;
+    }
     if !mo.fs.readonly {
         // Frees what deleted snapshots held, a bounded step at a time.
         let weak = Arc::downgrade(&fs);

@@ -24,6 +24,8 @@ pub struct Stats {
     pub dev_read_bytes: AtomicU64,
     /// Runs of contiguous dirty blocks written back (each allocated in one piece).
     pub writeback_runs: AtomicU64,
+    /// Readahead windows read by the readahead thread, ahead of the reader.
+    pub readahead_async: AtomicU64,
     /// Bytes of file data shared by clone or copy_file_range instead of copied.
     pub cloned_bytes: AtomicU64,
     /// Bytes of tree nodes written to the device.
@@ -64,6 +66,7 @@ impl Stats {
             user_read_bytes: g(&self.user_read_bytes),
             dev_read_bytes: g(&self.dev_read_bytes),
             writeback_runs: g(&self.writeback_runs),
+            readahead_async: g(&self.readahead_async),
             cloned_bytes: g(&self.cloned_bytes),
             cache_bytes: 0,
             cache_dirty_bytes: 0,
@@ -101,6 +104,8 @@ pub struct StatsSnapshot {
     pub dev_read_bytes: u64,
     /// See [`Stats::writeback_runs`].
     pub writeback_runs: u64,
+    /// See [`Stats::readahead_async`].
+    pub readahead_async: u64,
     /// See [`Stats::cloned_bytes`].
     pub cloned_bytes: u64,
     /// Bytes held by the page cache now (a gauge, filled in by `Fs::stats`).
@@ -236,7 +241,7 @@ impl StatsSnapshot {
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
-                "\"writeback_runs\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
+                "\"writeback_runs\":{},\"readahead_async\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
             ),
             self.fsyncs,
@@ -256,6 +261,7 @@ impl StatsSnapshot {
             self.dev_read_bytes,
             self.cloned_bytes,
             self.writeback_runs,
+            self.readahead_async,
             self.cache_bytes,
             self.cache_dirty_bytes,
             self.flushes,
@@ -308,6 +314,11 @@ impl StatsSnapshot {
         );
         row(&mut s, "device bytes read", self.dev_read_bytes.to_string());
         row(&mut s, "writeback runs", self.writeback_runs.to_string());
+        row(
+            &mut s,
+            "readahead windows ahead",
+            self.readahead_async.to_string(),
+        );
         row(&mut s, "bytes cloned", self.cloned_bytes.to_string());
         row(&mut s, "page cache bytes", self.cache_bytes.to_string());
         row(

@@ -297,6 +297,58 @@ fn sequential_reads_read_ahead_and_random_reads_do_not() {
 }
 
 #[test]
+fn a_readahead_thread_reads_the_next_window_ahead_of_the_reader() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    let data = pattern(24 * MB as usize, 8);
+    fs.write(ino, 0, &data).unwrap();
+    let fs = Arc::new(remount(&dev, fs, o));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let worker = {
+        let (fs, stop) = (fs.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                fs.readahead_step(Duration::from_millis(10)).unwrap();
+            }
+        })
+    };
+    // The thread announces itself on its first step.
+    while !fs.ra_thread.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::yield_now();
+    }
+    let chunk = 256 * 1024;
+    let mut off = 0;
+    while off < data.len() {
+        let got = fs.read(ino, off as u64, chunk as u32).unwrap();
+        assert!(got == data[off..off + chunk], "wrong data at {off}");
+        off += chunk;
+        // Give the thread time to fetch the next window before the next read.
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    worker.join().unwrap();
+    let s = fs.stats();
+    assert!(s.readahead_async > 0, "the thread read no window: {s:?}");
+    // Every byte came from the device once, whoever read it.
+    assert_eq!(s.dev_read_bytes, data.len() as u64);
+    // A file deleted or cut short under a queued window is no error.
+    fs.queue_readahead(ino, 30 * MB, 34 * MB);
+    fs.readahead_step(Duration::ZERO).unwrap();
+    fs.setattr(
+        ino,
+        &SetAttr {
+            size: Some(MB),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.queue_readahead(ino, 4 * MB, 8 * MB);
+    fs.readahead_step(Duration::ZERO).unwrap();
+    assert_eq!(fs.read(ino, 0, 4096).unwrap(), &data[..4096]);
+}
+
+#[test]
 fn read_into_a_reused_buffer_replaces_its_contents() {
     let o = opts(64 * MB, 64 << 10, true);
     let (_dev, fs) = mk(64 * MB, o);

@@ -28,6 +28,9 @@ const BS: u64 = BLOCK_SIZE;
 /// Most dirty bytes one writeback pass takes from the cache before writing them.
 const WB_CHUNK: u64 = 8 << 20;
 
+/// Readahead windows queued at most (older ones are dropped first).
+const RA_QUEUE_MAX: usize = 8;
+
 /// Most extents one clone step shares under the fs lock.
 const CLONE_STEP_EXTENTS: usize = 512;
 
@@ -228,18 +231,55 @@ impl Fs {
         let ra = cache.readahead(ino, sequential);
         // The window is fetched in aligned pieces of its own size, so a stream reads
         // the device in large requests rather than one request-sized slice at a time.
-        let fill_end = if ra == 0 {
-            end
+        // With a readahead thread, this read fetches (what is missing of) the window
+        // it ends in and queues the next one, which the thread reads from the device
+        // while the kernel takes this one; without, it fetches both.
+        let window_end = if ra == 0 { end } else { end.div_ceil(ra) * ra }.min(fsize);
+        let async_ra = ra > 0 && self.ra_thread.load(std::sync::atomic::Ordering::Relaxed);
+        let fill_end = if ra == 0 || async_ra {
+            window_end
         } else {
             (end + ra).div_ceil(ra) * ra
         }
         .min(fsize);
         let mut held: Vec<(u64, Arc<CachedFolio>)> = Vec::new();
-        let mut missing: Vec<Missing> = Vec::new();
-        for idx in offset / fsz..fill_end.div_ceil(fsz) {
+        let missing = self.missing_in(ino, offset, fill_end, end, &mut held);
+        self.fill_missing(ino, &missing)?;
+        drop(missing);
+        if async_ra && window_end < fsize {
+            self.queue_readahead(ino, window_end, (window_end + ra).min(fsize));
+        }
+        out.resize((end - offset) as usize, 0);
+        for (idx, f) in &held {
             let fstart = idx * fsz;
-            let a = (offset.max(fstart) - fstart) / BS;
-            let b = (fill_end.min(fstart + fsz) - fstart).div_ceil(BS);
+            let s = offset.max(fstart);
+            let e = end.min(fstart + fsz);
+            let g = f.folio.lock();
+            out[(s - offset) as usize..(e - offset) as usize]
+                .copy_from_slice(&g.data[(s - fstart) as usize..(e - fstart) as usize]);
+        }
+        Stats::add(&self.stats.user_read_bytes, out.len() as u64);
+        drop(held);
+        self.balance(ino)
+    }
+
+    /// The blocks of `ino` in `from..to` that are not uptodate, as runs within their
+    /// folios (created as needed); the folios before `keep_end` are pushed to `held`.
+    fn missing_in(
+        &self,
+        ino: u64,
+        from: u64,
+        to: u64,
+        keep_end: u64,
+        held: &mut Vec<(u64, Arc<CachedFolio>)>,
+    ) -> Vec<Missing> {
+        let cache = &self.cache;
+        let fsz = cache.folio_size();
+        let mut missing: Vec<Missing> = Vec::new();
+        for idx in from / fsz..to.div_ceil(fsz) {
+            let fstart = idx * fsz;
+            let a = (from.max(fstart) - fstart) / BS;
+            let b = (to.min(fstart + fsz) - fstart).div_ceil(BS);
             let f = cache.get_or_create(ino, idx);
             {
                 let g = f.folio.lock();
@@ -255,23 +295,63 @@ impl Fs {
                     });
                 }
             }
-            if fstart < end {
+            if fstart < keep_end {
                 held.push((idx, f));
             }
         }
-        self.fill_missing(ino, &missing)?;
-        drop(missing);
-        out.resize((end - offset) as usize, 0);
-        for (idx, f) in &held {
-            let fstart = idx * fsz;
-            let s = offset.max(fstart);
-            let e = end.min(fstart + fsz);
-            let g = f.folio.lock();
-            out[(s - offset) as usize..(e - offset) as usize]
-                .copy_from_slice(&g.data[(s - fstart) as usize..(e - fstart) as usize]);
+        missing
+    }
+
+    /// Queues `start..end` of `ino` for the readahead thread, unless it is queued or
+    /// already (being) cached.
+    pub(crate) fn queue_readahead(&self, ino: u64, start: u64, end: u64) {
+        if self.cache.has_folio(ino, start / self.cache.folio_size()) {
+            return;
         }
-        Stats::add(&self.stats.user_read_bytes, out.len() as u64);
-        drop(held);
+        let mut q = self.ra_queue.lock();
+        if q.iter().any(|&(i, s, _)| i == ino && s == start) {
+            return;
+        }
+        // A stream that ran away from its readahead leaves stale windows: keep few.
+        if q.len() >= RA_QUEUE_MAX {
+            q.pop_front();
+        }
+        q.push_back((ino, start, end));
+        self.ra_wake.notify_one();
+    }
+
+    /// One step of the readahead thread: waits up to `wait` for a queued window, then
+    /// reads what of it is not cached. A daemon calls it in a loop on its own thread;
+    /// from the first call on, sequential readers leave the next window to it.
+    pub fn readahead_step(&self, wait: std::time::Duration) -> Result<()> {
+        self.ra_thread
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let job = {
+            let mut q = self.ra_queue.lock();
+            if q.is_empty() {
+                self.ra_wake.wait_for(&mut q, wait);
+            }
+            q.pop_front()
+        };
+        let Some((ino, start, end)) = job else {
+            return Ok(());
+        };
+        let _f = self.file_lock(ino).read();
+        // The file may have shrunk or gone since the window was queued.
+        let Ok(fsize) = self.with(|i| i.check_file(ino).map(|it| it.size.get())) else {
+            return Ok(());
+        };
+        let end = end.min(fsize);
+        if start >= end {
+            return Ok(());
+        }
+        let missing = self.missing_in(ino, start, end, 0, &mut Vec::new());
+        if missing.is_empty() {
+            return Ok(());
+        }
+        self.fill_missing(ino, &missing)?;
+        Stats::add(&self.stats.readahead_async, 1);
+        drop(missing);
         self.balance(ino)
     }
 

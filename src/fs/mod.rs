@@ -172,6 +172,12 @@ pub struct Fs {
     dev: Arc<dyn BlockDev>,
     stats: Arc<Stats>,
     opts: Options,
+    /// Readahead windows waiting for the readahead thread: (inode, start, end).
+    ra_queue: Mutex<std::collections::VecDeque<(u64, u64, u64)>>,
+    ra_wake: parking_lot::Condvar,
+    /// Whether a readahead thread serves `ra_queue` (else readers fetch the next
+    /// window themselves).
+    ra_thread: std::sync::atomic::AtomicBool,
 }
 
 /// Shards of the per-file lock table.
@@ -228,6 +234,9 @@ impl Fs {
             dev,
             stats,
             opts,
+            ra_queue: Mutex::new(Default::default()),
+            ra_wake: parking_lot::Condvar::new(),
+            ra_thread: std::sync::atomic::AtomicBool::new(false),
         };
         if !fs.opts.readonly {
             let n = fs.inner.lock().free_orphans()?;
