@@ -1035,11 +1035,17 @@ def write_report(res, outdir):
         L.append(f"- birchfs binary built {b['built']}, sha256 {b['sha256'][:16]}…; copied into the work directory "
                  f"at the start and used for every run")
     for rr in res.get("reruns", []):
-        rb = rr.get("machine", {}).get("binaries", {}).get("birchfs")
+        rm = rr.get("machine", {})
+        rb = rm.get("binaries", {}).get("birchfs")
         if rb:
             same = "the same binary" if b and rb["sha256"] == b["sha256"] else "a different binary"
             L.append(f"- re-run of {', '.join(rr['variants'])}: birchfs built {rb['built']}, sha256 "
                      f"{rb['sha256'][:16]}… ({same})")
+        # A re-run on another machine (the sessions' machines differ) says which.
+        other = [f"{k} {rm[k]}" for k in ("cpu", "kernel") if rm.get(k) and rm.get(k) != m.get(k)]
+        if other:
+            L.append(f"  - **on another machine** than the first run: {', '.join(other)}; compare its rows "
+                     f"within the row, not with rows run elsewhere")
     loads = [r["metrics"].get("loadavg_1m_before") for r in runs if r.get("ok")]
     loads = [x for x in loads if x is not None]
     if loads:
