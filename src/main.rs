@@ -495,63 +495,45 @@ fn mount_serve(
                 }
             }
         })?;
+    const NOW: Duration = Duration::ZERO;
+    const SECOND: Duration = Duration::from_secs(1);
     if !mo.fs.commit_interval.is_zero() && !mo.fs.readonly {
-        let weak = Arc::downgrade(&fs);
         let every = mo.fs.commit_interval;
-        std::thread::Builder::new()
-            .name("committer".into())
-            .spawn(move || loop {
-                std::thread::sleep(every);
-                let Some(fs) = weak.upgrade() else { break };
-                if let Err(e) = fs.commit() {
-                    tracing::error!("periodic commit failed: {e}");
-                }
-            })?;
+        spawn_while_mounted("committer", &fs, every, move |fs| {
+            if let Err(e) = fs.commit() {
+                tracing::error!("periodic commit failed: {e}");
+            }
+            every
+        })?;
     }
     if !mo.fs.readonly {
-        let weak = Arc::downgrade(&fs);
-        std::thread::Builder::new()
-            .name("flusher".into())
-            .spawn(move || loop {
-                let Some(fs) = weak.upgrade() else { break };
-                if let Err(e) = fs.flush_background(Duration::from_secs(1)) {
+        spawn_while_mounted("flusher", &fs, NOW, |fs| {
+            match fs.flush_background(SECOND) {
+                Ok(()) => NOW,
+                Err(e) => {
                     tracing::error!("background writeback failed: {e}");
-                    std::thread::sleep(Duration::from_secs(1));
+                    SECOND
                 }
-            })?;
+            }
+        })?;
     }
-    {
-        // Reads the next window of sequential readers while they take this one.
-        let weak = Arc::downgrade(&fs);
-        std::thread::Builder::new()
-            .name("readahead".into())
-            .spawn(move || loop {
-                let Some(fs) = weak.upgrade() else { break };
-                if let Err(e) = fs.readahead_step(Duration::from_secs(1)) {
-                    tracing::debug!("readahead failed: {e}");
-                }
-            })?;
-    }
+    // Reads the next window of sequential readers while they take this one.
+    spawn_while_mounted("readahead", &fs, NOW, |fs| {
+        if let Err(e) = fs.readahead_step(SECOND) {
+            tracing::debug!("readahead failed: {e}");
+        }
+        NOW
+    })?;
     if !mo.fs.readonly {
         // Frees what deleted snapshots held, a bounded step at a time.
-        let weak = Arc::downgrade(&fs);
-        std::thread::Builder::new()
-            .name("cleaner".into())
-            .spawn(move || loop {
-                let more = {
-                    let Some(fs) = weak.upgrade() else { break };
-                    match fs.drop_deleted(64) {
-                        Ok(more) => more,
-                        Err(e) => {
-                            tracing::error!("dropping deleted snapshots failed: {e}");
-                            false
-                        }
-                    }
-                };
-                if !more {
-                    std::thread::sleep(Duration::from_secs(1));
-                }
-            })?;
+        spawn_while_mounted("cleaner", &fs, NOW, |fs| match fs.drop_deleted(64) {
+            Ok(true) => NOW,
+            Ok(false) => SECOND,
+            Err(e) => {
+                tracing::error!("dropping deleted snapshots failed: {e}");
+                SECOND
+            }
+        })?;
     }
     if let Some(mut f) = ready.take() {
         let _ = f.write_all(b"ok\n");
@@ -561,6 +543,31 @@ fn mount_serve(
     let r = session.run();
     fs.commit().context("final commit failed")?;
     r.context("FUSE session failed")?;
+    Ok(())
+}
+
+/// Runs `step` on a thread named `name` for as long as `fs` is alive: after a pause
+/// (`first`, then what the step returns), each step gets the filesystem, and lets go
+/// of it before pausing, so the thread never keeps an unmounted filesystem alive.
+fn spawn_while_mounted(
+    name: &str,
+    fs: &Arc<Fs>,
+    first: Duration,
+    mut step: impl FnMut(&Fs) -> Duration + Send + 'static,
+) -> std::io::Result<()> {
+    let weak = Arc::downgrade(fs);
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let mut pause = first;
+            loop {
+                if !pause.is_zero() {
+                    std::thread::sleep(pause);
+                }
+                let Some(fs) = weak.upgrade() else { break };
+                pause = step(&fs);
+            }
+        })?;
     Ok(())
 }
 
