@@ -307,13 +307,7 @@ impl FuseFs {
     /// (FUSE_HANDLE_KILLPRIV_V2). Failures are logged; the change itself stands.
     fn drop_privs(&self, ino: u64, caps: bool) {
         if self.has_suid(ino) {
-            let set = SetAttr {
-                kill_suid: true,
-                ..Default::default()
-            };
-            if let Err(e) = self.fs.setattr(ino, &set) {
-                tracing::warn!("clearing the set-id bits of inode {ino} failed: {e}");
-            }
+            self.clear_suid(ino);
         }
         if caps {
             match self.fs.removexattr(ino, b"security.capability") {
@@ -327,7 +321,18 @@ impl FuseFs {
     /// copy_file_range): when the caller lacks CAP_FSETID, as the VFS decides.
     fn drop_privs_unless_fsetid(&self, req: &Request, ino: u64) {
         if self.has_suid(ino) && !has_fsetid(req.pid()) {
-            self.drop_privs(ino, false);
+            self.clear_suid(ino);
+        }
+    }
+
+    /// Clears the set-id bits of `ino`; a failure is logged.
+    fn clear_suid(&self, ino: u64) {
+        let set = SetAttr {
+            kill_suid: true,
+            ..Default::default()
+        };
+        if let Err(e) = self.fs.setattr(ino, &set) {
+            tracing::warn!("clearing the set-id bits of inode {ino} failed: {e}");
         }
     }
 
@@ -439,8 +444,7 @@ impl Filesystem for FuseFs {
         // A chown clears set-id bits always, a truncate unless the caller has
         // CAP_FSETID (the kernel leaves both to us: FUSE_HANDLE_KILLPRIV_V2).
         let chown = uid.is_some() || gid.is_some();
-        let kill_suid =
-            (chown || size.is_some()) && self.has_suid(ino) && (chown || !has_fsetid(req.pid()));
+        let kill_suid = chown || (size.is_some() && self.has_suid(ino) && !has_fsetid(req.pid()));
         let set = SetAttr {
             mode,
             uid,

@@ -127,9 +127,9 @@ impl FileDev {
 
     /// The O_DIRECT file, if `len` bytes at `off` should go through it.
     fn direct_for(&self, len: usize, off: u64) -> Option<&File> {
-        self.direct.as_ref().filter(|_| {
-            len >= DIRECT_MIN && len % DIRECT_ALIGN == 0 && off % DIRECT_ALIGN as u64 == 0
-        })
+        self.direct
+            .as_ref()
+            .filter(|_| len >= DIRECT_MIN && aligned(len, off))
     }
 
     /// Reads `buf` at `off` with O_DIRECT (into `buf` itself when it is aligned).
@@ -171,6 +171,11 @@ impl FileDev {
             Ok(())
         })
     }
+}
+
+/// Whether `len` bytes at `off` are whole direct-I/O blocks.
+fn aligned(len: usize, off: u64) -> bool {
+    len % DIRECT_ALIGN == 0 && off % DIRECT_ALIGN as u64 == 0
 }
 
 thread_local! {
@@ -280,14 +285,12 @@ impl BlockDev for FileDev {
                 .iter()
                 .try_for_each(|&(b, off)| self.file.write_all_at(b, off));
         };
-        let aligned = |b: &[u8], off: u64| {
-            b.as_ptr() as usize % DIRECT_ALIGN == 0
-                && b.len() % DIRECT_ALIGN == 0
-                && off % DIRECT_ALIGN as u64 == 0
-        };
+        // Ring writes go straight from the caller's buffers: those must be aligned too.
+        let direct_ok =
+            |b: &[u8], off: u64| b.as_ptr() as usize % DIRECT_ALIGN == 0 && aligned(b.len(), off);
         let total: usize = writes
             .iter()
-            .filter(|&&(b, off)| aligned(b, off))
+            .filter(|&&(b, off)| direct_ok(b, off))
             .map(|(b, _)| b.len())
             .sum();
         let min = if total >= self.batch_direct {
@@ -297,7 +300,7 @@ impl BlockDev for FileDev {
         };
         let mut batch: Vec<(&[u8], u64)> = Vec::with_capacity(writes.len().min(RING_ENTRIES));
         for &(buf, off) in writes {
-            if buf.len() >= min && aligned(buf, off) {
+            if buf.len() >= min && direct_ok(buf, off) {
                 batch.push((buf, off));
             } else {
                 self.write_at(buf, off)?;
