@@ -137,6 +137,10 @@ pub(crate) struct PageCache {
     /// Buffers of evicted folios, reused for new ones: the daemon's memory then stays
     /// near `cache_size` instead of growing with the allocator's per-thread slack.
     spare: Mutex<Vec<Box<[u8]>>>,
+    /// Folios written back whole, oldest first, with the use they were queued at:
+    /// dropped behind the writer once more than `behind_limit` bytes of them wait,
+    /// unless used since (see [`PageCache::drop_behind`]).
+    behind: Mutex<std::collections::VecDeque<(u64, u64, u64)>>,
 }
 
 impl PageCache {
@@ -149,6 +153,51 @@ impl PageCache {
             tick: AtomicU64::new(0),
             kick: (Mutex::new(false), Condvar::new()),
             spare: Mutex::new(Vec::new()),
+            behind: Mutex::new(Default::default()),
+        }
+    }
+
+    /// Bytes of written-back, unused folios kept before they are dropped behind.
+    fn behind_limit(&self) -> u64 {
+        (self.opts.cache_size / 32).max(4 * self.opts.folio_size)
+    }
+
+    /// The use count of `f`, for [`PageCache::drop_behind`].
+    pub(crate) fn last_used(f: &CachedFolio) -> u64 {
+        f.last_used.load(Ordering::Relaxed)
+    }
+
+    /// Drop-behind for streaming writers: `folios` of `ino` (index, use count when
+    /// taken) were just written back whole. The kernel's page cache holds that data
+    /// already, so keeping every such folio until the cache is full only costs fresh
+    /// memory per folio; instead the oldest of them leave once more than
+    /// `behind_limit` bytes wait, unless used, dirtied or held since.
+    pub(crate) fn drop_behind(&self, ino: u64, folios: &[(u64, u64)]) {
+        let fsz = self.opts.folio_size;
+        let over: Vec<(u64, u64, u64)> = {
+            let mut q = self.behind.lock();
+            q.extend(folios.iter().map(|&(idx, used)| (ino, idx, used)));
+            let keep = (self.behind_limit() / fsz) as usize;
+            let n = q.len().saturating_sub(keep);
+            q.drain(..n).collect()
+        };
+        if over.is_empty() {
+            return;
+        }
+        let mut st = self.state.lock();
+        for (ino, idx, used) in over {
+            let Some(f) = st.folios.get(&(ino, idx)) else {
+                continue;
+            };
+            let idle = Arc::strong_count(f) == 1
+                && f.last_used.load(Ordering::Relaxed) == used
+                && f.folio.try_lock().is_some_and(|g| !g.dirty.any());
+            if idle {
+                if let Some(f) = st.folios.remove(&(ino, idx)) {
+                    self.bytes.fetch_sub(fsz, Ordering::Relaxed);
+                    self.recycle(f);
+                }
+            }
         }
     }
 
@@ -206,9 +255,11 @@ impl PageCache {
         self.opts.cache_size / 2
     }
 
-    /// Dirty bytes past which the flusher starts writing back.
+    /// Dirty bytes past which the flusher starts writing back: early, so a streaming
+    /// writer's data goes to the device while it writes and little is left for its
+    /// closing fsync.
     pub(crate) fn background_limit(&self) -> u64 {
-        self.opts.cache_size / 8
+        (self.opts.cache_size / 32).max(self.opts.folio_size)
     }
 
     /// Counts `blocks` of folio `idx` of `ino` newly dirtied (after marking them in
@@ -493,6 +544,42 @@ mod tests {
             ..ok
         };
         assert!(o.validate().is_err());
+    }
+
+    #[test]
+    fn drop_behind_frees_the_oldest_unused_written_folios_past_its_budget() {
+        // 4 MiB cache of 16 KiB folios: the budget is 128 KiB, eight folios.
+        let c = cache(4 << 20);
+        let keep = (c.behind_limit() / c.folio_size()) as usize;
+        assert_eq!(keep, 8);
+        let queue = |idx: u64| {
+            let f = c.get_or_create(1, idx);
+            (idx, PageCache::last_used(&f))
+        };
+        // Folios 0..4 are each left in a state that must keep them.
+        let q: Vec<_> = (0..20).map(queue).collect();
+        let held = c.get_or_create(1, 0);
+        c.get(1, 1); // read again since it was written back
+        {
+            let d = c.get_or_create(1, 2);
+            d.folio.lock().mark_dirty(0, 1); // written again
+        }
+        c.drop_behind(1, &q[..2]);
+        c.drop_behind(1, &q[2..]);
+        // Twelve past the budget were due: 0..12 minus the three kept.
+        let left: Vec<u64> = (0..20).filter(|&i| c.has_folio(1, i)).collect();
+        assert_eq!(
+            left,
+            [0, 1, 2].into_iter().chain(12..20).collect::<Vec<_>>()
+        );
+        assert_eq!(c.bytes(), 11 * c.folio_size());
+        // What left went to the spare buffers, so new folios reuse that memory.
+        assert_eq!(c.spare.lock().len(), 9);
+        drop(held);
+        // The queue holds only the last eight; nothing is dropped twice.
+        assert_eq!(c.behind.lock().len(), keep);
+        c.drop_behind(1, &[]);
+        assert_eq!(c.bytes(), 11 * c.folio_size());
     }
 
     #[test]

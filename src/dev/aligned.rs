@@ -30,6 +30,23 @@ impl AlignedBuf {
         }
     }
 
+    /// An empty buffer with room for `len` bytes without growing.
+    pub fn with_capacity(len: usize) -> AlignedBuf {
+        AlignedBuf {
+            blocks: Vec::with_capacity(len.div_ceil(4096)),
+        }
+    }
+
+    /// Empties it, keeping its memory.
+    pub fn clear(&mut self) {
+        self.blocks.clear();
+    }
+
+    /// Bytes it holds without growing.
+    pub fn capacity(&self) -> usize {
+        self.blocks.capacity() * 4096
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.blocks.len() * 4096
@@ -56,6 +73,46 @@ impl std::ops::DerefMut for AlignedBuf {
     }
 }
 
+/// Spare buffers of one size, handed out and taken back so that hot paths (writeback
+/// runs) reuse memory the process already faulted in instead of mapping fresh pages
+/// for every run.
+pub struct BufPool {
+    size: usize,
+    max: usize,
+    spare: parking_lot::Mutex<Vec<AlignedBuf>>,
+}
+
+impl BufPool {
+    /// A pool of buffers with room for `size` bytes, keeping at most `max` spare.
+    pub fn new(size: usize, max: usize) -> BufPool {
+        BufPool {
+            size,
+            max,
+            spare: parking_lot::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// An empty buffer with room for the pool's size.
+    pub fn take(&self) -> AlignedBuf {
+        self.spare
+            .lock()
+            .pop()
+            .unwrap_or_else(|| AlignedBuf::with_capacity(self.size))
+    }
+
+    /// Gives a buffer back; one that grew past the pool's size, or one too many, is freed.
+    pub fn give(&self, mut b: AlignedBuf) {
+        if b.capacity() != self.size.next_multiple_of(4096) {
+            return;
+        }
+        b.clear();
+        let mut spare = self.spare.lock();
+        if spare.len() < self.max {
+            spare.push(b);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,5 +126,29 @@ mod tests {
         assert_eq!(b.len(), 12288);
         assert_eq!(b.as_ptr() as usize % 4096, 0);
         assert_eq!((b[5000], b[8192], b[12287]), (7, 1, 1));
+    }
+
+    #[test]
+    fn pool_reuses_memory_and_bounds_what_it_keeps() {
+        let pool = BufPool::new(64 << 10, 2);
+        let mut a = pool.take();
+        assert!(a.is_empty() && a.capacity() == 64 << 10);
+        a.extend_from_slice(&[3u8; 64 << 10]);
+        let at = a.as_ptr();
+        pool.give(a);
+        let b = pool.take();
+        assert!(b.is_empty(), "a buffer comes back empty");
+        assert_eq!(b.as_ptr(), at, "the same memory is handed out again");
+        // A buffer that grew is not kept (it would hold more than the pool's size).
+        let mut big = pool.take();
+        big.extend_from_slice(&[1u8; 128 << 10]);
+        pool.give(big);
+        assert_eq!(pool.spare.lock().len(), 0);
+        // At most `max` are kept.
+        for _ in 0..3 {
+            pool.give(AlignedBuf::with_capacity(64 << 10));
+        }
+        assert_eq!(pool.spare.lock().len(), 2);
+        drop(b);
     }
 }

@@ -5,7 +5,7 @@ mod crash;
 mod file;
 mod mem;
 
-pub use aligned::AlignedBuf;
+pub use aligned::{AlignedBuf, BufPool};
 pub use crash::{CrashDev, CrashOp};
 pub use file::FileDev;
 pub use mem::MemDev;

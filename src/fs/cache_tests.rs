@@ -369,3 +369,39 @@ fn read_into_a_reused_buffer_replaces_its_contents() {
     fs.read_into(ino, 500_000, 10, &mut buf).unwrap();
     assert!(buf.is_empty(), "past the end: nothing");
 }
+
+#[test]
+fn streamed_files_drop_behind_and_read_back_whole() {
+    // 64 MiB cache: 2 MiB of written-back or read-through folios wait before they
+    // drop behind (a 16 MiB stream would otherwise stay cached whole).
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(128 * MB, o.clone());
+    let ino = file(&fs, b"stream");
+    let data = pattern(16 * MB as usize, 9);
+    for (n, c) in data.chunks(MB as usize).enumerate() {
+        fs.write(ino, n as u64 * MB, c).unwrap();
+    }
+    assert!(fs.stats().cache_bytes >= 16 * MB, "all dirty, all cached");
+    fs.fsync(ino, false).unwrap();
+    let after_write = fs.stats().cache_bytes;
+    assert!(after_write <= 2 * MB, "{after_write} bytes stayed cached");
+    // A stream's reader drops behind too, and reads back every byte.
+    let fs = remount(&dev, fs, o.clone());
+    for (n, c) in data.chunks(128 << 10).enumerate() {
+        let got = fs.read(ino, n as u64 * (128 << 10), 128 << 10).unwrap();
+        assert_eq!(got, c, "chunk {n}");
+    }
+    // The reader's readahead windows (up to 4 MiB, two in flight) stay cached too.
+    let after_read = fs.stats().cache_bytes;
+    assert!(
+        after_read <= 2 * MB + 8 * MB,
+        "{after_read} bytes stayed cached"
+    );
+    // Random reads are not a stream: what they read stays.
+    let fs = remount(&dev, fs, o);
+    for n in (0..16u64).rev() {
+        let got = fs.read(ino, n * MB + 4096, 4096).unwrap();
+        assert_eq!(got, &data[(n * MB + 4096) as usize..][..4096]);
+    }
+    assert_eq!(fs.stats().cache_bytes, 16 * (64 << 10));
+}

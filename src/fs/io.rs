@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use super::Fs;
-use crate::cache::CachedFolio;
+use crate::cache::{CachedFolio, PageCache};
 use crate::error::{Error, Result};
 use crate::format::{BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
 use crate::stats::Stats;
@@ -259,7 +259,20 @@ impl Fs {
                 .copy_from_slice(&g.data[(s - fstart) as usize..(e - fstart) as usize]);
         }
         Stats::add(&self.stats.user_read_bytes, out.len() as u64);
+        // A stream's reader leaves behind folios it read to their end: the kernel
+        // caches what it read, so they may drop behind like a streaming writer's.
+        let behind: Vec<(u64, u64)> = if ra > 0 {
+            held.iter()
+                .filter(|(idx, _)| end >= (idx + 1) * fsz)
+                .map(|(idx, f)| (*idx, PageCache::last_used(f)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         drop(held);
+        if !behind.is_empty() {
+            cache.drop_behind(ino, &behind);
+        }
         self.balance(ino)
     }
 
@@ -511,7 +524,7 @@ impl Fs {
                         _ => runs.push(DirtyRun {
                             off,
                             buf: {
-                                let mut b = crate::dev::AlignedBuf::default();
+                                let mut b = self.run_bufs.take();
                                 b.extend_from_slice(bytes);
                                 b
                             },
@@ -538,6 +551,17 @@ impl Fs {
                 }
                 return Err(e);
             }
+            // Folios this writeback wrote whole (a streaming writer's) may drop behind.
+            let mut whole = Vec::new();
+            for r in runs {
+                for (f, idx, a, b) in r.parts {
+                    if a == 0 && b == nb {
+                        whole.push((idx, PageCache::last_used(&f)));
+                    }
+                }
+                self.run_bufs.give(r.buf);
+            }
+            cache.drop_behind(ino, &whole);
             done += taken;
         }
         cache.settle(ino);
