@@ -497,6 +497,7 @@ fn mount_serve(
         })?;
     const NOW: Duration = Duration::ZERO;
     const SECOND: Duration = Duration::from_secs(1);
+    const READAHEAD_THREADS: usize = 2;
     if !mo.fs.commit_interval.is_zero() && !mo.fs.readonly {
         let every = mo.fs.commit_interval;
         spawn_while_mounted("committer", &fs, every, move |fs| {
@@ -517,13 +518,16 @@ fn mount_serve(
             }
         })?;
     }
-    // Reads the next window of sequential readers while they take this one.
-    spawn_while_mounted("readahead", &fs, NOW, |fs| {
-        if let Err(e) = fs.readahead_step(SECOND) {
-            tracing::debug!("readahead failed: {e}");
-        }
-        NOW
-    })?;
+    // Read the next windows of sequential readers while they take this one: two, so
+    // that one window's device reads overlap the other's checksums and copies.
+    for _ in 0..READAHEAD_THREADS {
+        spawn_while_mounted("readahead", &fs, NOW, |fs| {
+            if let Err(e) = fs.readahead_step(SECOND) {
+                tracing::debug!("readahead failed: {e}");
+            }
+            NOW
+        })?;
+    }
     if !mo.fs.readonly {
         // Frees what deleted snapshots held, a bounded step at a time.
         spawn_while_mounted("cleaner", &fs, NOW, |fs| match fs.drop_deleted(64) {

@@ -26,6 +26,8 @@ pub struct Stats {
     pub writeback_runs: AtomicU64,
     /// Readahead windows read by the readahead thread, ahead of the reader.
     pub readahead_async: AtomicU64,
+    /// Reads that waited for the device (blocks they return were not cached).
+    pub read_waits: AtomicU64,
     /// Bytes of file data shared by clone or copy_file_range instead of copied.
     pub cloned_bytes: AtomicU64,
     /// Bytes of tree nodes written to the device.
@@ -67,6 +69,7 @@ impl Stats {
             dev_read_bytes: g(&self.dev_read_bytes),
             writeback_runs: g(&self.writeback_runs),
             readahead_async: g(&self.readahead_async),
+            read_waits: g(&self.read_waits),
             cloned_bytes: g(&self.cloned_bytes),
             cache_bytes: 0,
             cache_dirty_bytes: 0,
@@ -106,6 +109,8 @@ pub struct StatsSnapshot {
     pub writeback_runs: u64,
     /// See [`Stats::readahead_async`].
     pub readahead_async: u64,
+    /// See [`Stats::read_waits`].
+    pub read_waits: u64,
     /// See [`Stats::cloned_bytes`].
     pub cloned_bytes: u64,
     /// Bytes held by the page cache now (a gauge, filled in by `Fs::stats`).
@@ -241,7 +246,7 @@ impl StatsSnapshot {
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
-                "\"writeback_runs\":{},\"readahead_async\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
+                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
             ),
             self.fsyncs,
@@ -262,6 +267,7 @@ impl StatsSnapshot {
             self.cloned_bytes,
             self.writeback_runs,
             self.readahead_async,
+            self.read_waits,
             self.cache_bytes,
             self.cache_dirty_bytes,
             self.flushes,
@@ -318,6 +324,11 @@ impl StatsSnapshot {
             &mut s,
             "readahead windows ahead",
             self.readahead_async.to_string(),
+        );
+        row(
+            &mut s,
+            "reads that waited for the device",
+            self.read_waits.to_string(),
         );
         row(&mut s, "bytes cloned", self.cloned_bytes.to_string());
         row(&mut s, "page cache bytes", self.cache_bytes.to_string());

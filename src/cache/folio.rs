@@ -87,9 +87,9 @@ impl Folio {
         Folio::with_buffer(vec![0u8; size].into_boxed_slice())
     }
 
-    /// An empty folio over `data`, which must be all zeros.
+    /// An empty folio over `data`, whose bytes mean nothing until their block is
+    /// uptodate: whoever makes a block uptodate writes all of it.
     pub(crate) fn with_buffer(data: Box<[u8]>) -> Folio {
-        debug_assert!(data.iter().all(|&b| b == 0));
         Folio {
             data,
             uptodate: Bitmap::default(),

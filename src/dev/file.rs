@@ -13,7 +13,9 @@
 //! to a file on the host), so there every aligned write goes direct. Direct writes
 //! wait for the device, so a batch of them (`write_many`: the runs of one writeback,
 //! the nodes of one commit) is submitted at once through an io_uring and waited for
-//! together, falling back to one at a time where io_uring is not available.
+//! together, falling back to one at a time where io_uring is not available. Large
+//! reads of one batch (`read_many`: the extents of a readahead window) go out the
+//! same way, on files and devices alike.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -185,12 +187,20 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Writes every `(buf, off)` of `writes` (at most [`RING_ENTRIES`], buffers aligned)
-/// to `d` through this thread's io_uring, all in flight at once; returns them
-/// unwritten (`Ok(false)`) when there is no ring to use.
-fn ring_write(d: &File, writes: &[(&[u8], u64)]) -> io::Result<bool> {
+/// One direct transfer for [`ring_io`]: a buffer and its device offset.
+#[derive(Clone, Copy)]
+struct RingOp {
+    ptr: *mut u8,
+    len: usize,
+    off: u64,
+}
+
+/// Carries out every op of `ops` (at most [`RING_ENTRIES`], buffers aligned) on `d`
+/// through this thread's io_uring, all in flight at once: reads when `read`, else
+/// writes. Returns `Ok(false)`, nothing done, when there is no ring to use.
+fn ring_io(d: &File, ops: &[RingOp], read: bool) -> io::Result<bool> {
     use io_uring::{opcode, types};
-    debug_assert!(writes.len() <= RING_ENTRIES);
+    debug_assert!(ops.len() <= RING_ENTRIES);
     RING.with(|r| {
         let mut r = r.borrow_mut();
         let slot = r.get_or_insert_with(|| io_uring::IoUring::new(RING_ENTRIES as u32).ok());
@@ -198,11 +208,17 @@ fn ring_write(d: &File, writes: &[(&[u8], u64)]) -> io::Result<bool> {
             return Ok(false);
         };
         let fd = types::Fd(d.as_raw_fd());
-        for (i, &(buf, off)) in writes.iter().enumerate() {
-            let e = opcode::Write::new(fd, buf.as_ptr(), buf.len() as u32)
-                .offset(off)
-                .build()
-                .user_data(i as u64);
+        for (i, op) in ops.iter().enumerate() {
+            let e = if read {
+                opcode::Read::new(fd, op.ptr, op.len as u32)
+                    .offset(op.off)
+                    .build()
+            } else {
+                opcode::Write::new(fd, op.ptr, op.len as u32)
+                    .offset(op.off)
+                    .build()
+            }
+            .user_data(i as u64);
             // SAFETY: every buffer outlives this call, and the call does not return
             // before the kernel has completed every entry it was given (below).
             if unsafe { ring.submission().push(&e) }.is_err() {
@@ -210,17 +226,17 @@ fn ring_write(d: &File, writes: &[(&[u8], u64)]) -> io::Result<bool> {
             }
         }
         let mut submitted = 0;
-        let mut done = vec![0usize; writes.len()];
+        let mut done = vec![0usize; ops.len()];
         let mut reaped = 0;
         let mut first_err: Option<io::Error> = None;
         let mut tries = 0;
-        while reaped < writes.len() {
-            match ring.submit_and_wait(writes.len() - reaped) {
+        while reaped < ops.len() {
+            match ring.submit_and_wait(ops.len() - reaped) {
                 Ok(n) => submitted += n,
                 Err(e) if submitted == 0 && e.raw_os_error() != Some(libc::EINTR) => {
                     // Nothing reached the kernel: drop the ring (and the entries in
-                    // it) and let the caller write one at a time.
-                    tracing::warn!("io_uring submit failed ({e}); writing without it");
+                    // it) and let the caller go one at a time.
+                    tracing::warn!("io_uring submit failed ({e}); going without it");
                     *slot = None;
                     return Ok(false);
                 }
@@ -247,10 +263,16 @@ fn ring_write(d: &File, writes: &[(&[u8], u64)]) -> io::Result<bool> {
         if let Some(e) = first_err {
             return Err(e);
         }
-        // A short direct write is legal, if rare: finish it synchronously.
-        for (&(buf, off), &n) in writes.iter().zip(&done) {
-            if n < buf.len() {
-                d.write_all_at(&buf[n..], off + n as u64)?;
+        // A short direct transfer is legal, if rare: finish it synchronously.
+        for (op, &n) in ops.iter().zip(&done) {
+            if n < op.len {
+                // SAFETY: the caller's buffer of `op.len` bytes, no longer in flight.
+                let rest = unsafe { std::slice::from_raw_parts_mut(op.ptr.add(n), op.len - n) };
+                if read {
+                    d.read_exact_at(rest, op.off + n as u64)?;
+                } else {
+                    d.write_all_at(rest, op.off + n as u64)?;
+                }
             }
         }
         Ok(true)
@@ -307,11 +329,53 @@ impl BlockDev for FileDev {
             }
         }
         for chunk in batch.chunks(RING_ENTRIES) {
-            if chunk.len() > 1 && ring_write(d, chunk)? {
+            let ops: Vec<RingOp> = chunk
+                .iter()
+                .map(|&(b, off)| RingOp {
+                    // The ring only reads from a write's buffer.
+                    ptr: b.as_ptr().cast_mut(),
+                    len: b.len(),
+                    off,
+                })
+                .collect();
+            if chunk.len() > 1 && ring_io(d, &ops, false)? {
                 continue;
             }
             for &(buf, off) in chunk {
                 d.write_all_at(buf, off)?;
+            }
+        }
+        Ok(())
+    }
+    fn read_many(&self, reads: &mut [(&mut [u8], u64)]) -> io::Result<()> {
+        // Large aligned reads into aligned buffers go direct, in flight together; the
+        // rest one at a time.
+        let mut ops: Vec<RingOp> = Vec::new();
+        for (buf, off) in reads.iter_mut() {
+            let ringable = buf.as_ptr() as usize % DIRECT_ALIGN == 0
+                && self.direct_for(buf.len(), *off).is_some();
+            if ringable {
+                ops.push(RingOp {
+                    ptr: buf.as_mut_ptr(),
+                    len: buf.len(),
+                    off: *off,
+                });
+            } else {
+                self.read_at(buf, *off)?;
+            }
+        }
+        let Some(d) = self.direct.as_ref() else {
+            debug_assert!(ops.is_empty());
+            return Ok(());
+        };
+        for chunk in ops.chunks(RING_ENTRIES) {
+            if chunk.len() > 1 && ring_io(d, chunk, true)? {
+                continue;
+            }
+            for op in chunk {
+                // SAFETY: a buffer of `reads`, borrowed mutably for this call.
+                let buf = unsafe { std::slice::from_raw_parts_mut(op.ptr, op.len) };
+                d.read_exact_at(buf, op.off)?;
             }
         }
         Ok(())
@@ -387,6 +451,42 @@ mod tests {
             dev.read_at(chunk, (k as u64) << 20).unwrap();
         }
         assert!(got == want, "write_many wrote something else than asked");
+    }
+
+    #[test]
+    fn read_many_reads_every_piece_from_where_asked() {
+        let (_d, dev) = device();
+        let want = pattern(16 << 20, 0x3c);
+        dev.write_at(&want, 0).unwrap();
+        // Large aligned pieces (direct, in flight together), a small one, one at an
+        // odd offset, and one into a buffer that is not aligned.
+        let mut big = AlignedBuf::zeroed(3 << 20);
+        let (a, rest) = big.split_at_mut(1 << 20);
+        let (b, c) = rest.split_at_mut(1 << 20);
+        let mut small = vec![0u8; 4096];
+        let mut odd = vec![0u8; 999];
+        let mut unaligned = vec![0u8; (256 << 10) + 1];
+        let mut reads: Vec<(&mut [u8], u64)> = vec![
+            (a, 5 << 20),
+            (b, 0),
+            (c, 15 << 20),
+            (&mut small, 4096),
+            (&mut odd, 12345),
+            (&mut unaligned[1..], 8 << 20),
+        ];
+        dev.read_many(&mut reads).unwrap();
+        let expect = |off: usize, len: usize| &want[off..off + len];
+        assert!(big[..1 << 20] == *expect(5 << 20, 1 << 20));
+        assert!(big[1 << 20..2 << 20] == *expect(0, 1 << 20));
+        assert!(big[2 << 20..] == *expect(15 << 20, 1 << 20));
+        assert!(small == expect(4096, 4096));
+        assert!(odd == expect(12345, 999));
+        assert!(unaligned[1..] == *expect(8 << 20, 256 << 10));
+        // Past the end of the device is an error, not a short read.
+        let mut tail = AlignedBuf::zeroed(1 << 20);
+        let mut more = AlignedBuf::zeroed(1 << 20);
+        let mut reads: Vec<(&mut [u8], u64)> = vec![(&mut tail, 15 << 20), (&mut more, 16 << 20)];
+        assert!(dev.read_many(&mut reads).is_err());
     }
 
     #[test]

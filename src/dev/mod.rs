@@ -26,6 +26,14 @@ pub trait BlockDev: Send + Sync {
         }
         Ok(())
     }
+    /// Reads each `(buf, off)` pair, as `read_at` would; a device that can keep
+    /// several reads in flight at once does.
+    fn read_many(&self, reads: &mut [(&mut [u8], u64)]) -> io::Result<()> {
+        for (buf, off) in reads.iter_mut() {
+            self.read_at(buf, *off)?;
+        }
+        Ok(())
+    }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
     /// Size in bytes.

@@ -305,14 +305,17 @@ fn a_readahead_thread_reads_the_next_window_ahead_of_the_reader() {
     fs.write(ino, 0, &data).unwrap();
     let fs = Arc::new(remount(&dev, fs, o));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let worker = {
-        let (fs, stop) = (fs.clone(), stop.clone());
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                fs.readahead_step(Duration::from_millis(10)).unwrap();
-            }
+    // Two threads, as a mount runs: they fill different windows at once.
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            let (fs, stop) = (fs.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    fs.readahead_step(Duration::from_millis(10)).unwrap();
+                }
+            })
         })
-    };
+        .collect();
     // The thread announces itself on its first step.
     while !fs.ra_thread.load(std::sync::atomic::Ordering::Relaxed) {
         std::thread::yield_now();
@@ -327,7 +330,9 @@ fn a_readahead_thread_reads_the_next_window_ahead_of_the_reader() {
         std::thread::sleep(Duration::from_millis(2));
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    worker.join().unwrap();
+    for w in workers {
+        w.join().unwrap();
+    }
     let s = fs.stats();
     assert!(s.readahead_async > 0, "the thread read no window: {s:?}");
     // Every byte came from the device once, whoever read it.
@@ -404,4 +409,53 @@ fn streamed_files_drop_behind_and_read_back_whole() {
         assert_eq!(got, &data[(n * MB + 4096) as usize..][..4096]);
     }
     assert_eq!(fs.stats().cache_bytes, 16 * (64 << 10));
+}
+
+#[test]
+fn reused_folio_buffers_never_show_old_bytes() {
+    // A small cache of 16 KiB folios: the buffers of evicted or dropped folios are
+    // handed out again unzeroed, so holes and the unwritten rest of new blocks must
+    // be zeroed where they are made uptodate.
+    let o = opts(256 << 10, 16 << 10, true);
+    let (_dev, fs) = mk(64 * MB, o);
+    let junk = file(&fs, b"junk");
+    for round in 0..4u64 {
+        // Fill the cache (and then its spare buffers) with non-zero bytes.
+        fs.write(junk, 0, &vec![0xA5; MB as usize]).unwrap();
+        fs.fsync(junk, false).unwrap();
+        for n in 0..16 {
+            fs.read(junk, n * 65536, 65536).unwrap();
+        }
+        let ino = file(&fs, format!("f{round}").as_bytes());
+        // A sparse file: data at 0 and at 200 KiB, holes between and after a size
+        // set by truncate.
+        fs.write(ino, 0, b"head").unwrap();
+        fs.write(ino, 200 << 10, &[7u8; 10]).unwrap();
+        fs.setattr(
+            ino,
+            &SetAttr {
+                size: Some(300 << 10),
+                ..SetAttr::default()
+            },
+        )
+        .unwrap();
+        if round % 2 == 1 {
+            fs.fsync(ino, false).unwrap();
+        }
+        let mut want = vec![0u8; 300 << 10];
+        want[..4].copy_from_slice(b"head");
+        want[200 << 10..(200 << 10) + 10].fill(7);
+        assert_eq!(fs.read(ino, 0, 300 << 10).unwrap(), want, "round {round}");
+        // Reads from the device after the cache let the file go: holes are zeros.
+        for n in 0..16 {
+            fs.read(junk, n * 65536, 65536).unwrap();
+        }
+        for (n, c) in want.chunks(12_345).enumerate() {
+            assert_eq!(
+                fs.read(ino, n as u64 * 12_345, 12_345).unwrap(),
+                c,
+                "round {round} chunk {n}"
+            );
+        }
+    }
 }

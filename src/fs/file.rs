@@ -652,6 +652,9 @@ pub(crate) fn write_runs_to(
     Ok(sums)
 }
 
+/// Bytes of pieces a read sends to the device together at most.
+const READ_BATCH: usize = 4 << 20;
+
 /// One contiguous run of disk blocks a read needs.
 #[derive(Debug)]
 struct ReadPiece {
@@ -699,35 +702,63 @@ impl ReadPlan {
 
     /// Reads and verifies every piece into `scratch`, handing each one's wanted bytes
     /// with their offset in the planned range to `put`; holes are not handed over.
+    /// Pieces are read in batches of up to [`READ_BATCH`] bytes, in flight together.
     pub(crate) fn for_each_piece(
         &self,
         dev: &dyn BlockDev,
         scratch: &mut crate::dev::AlignedBuf,
         mut put: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
-        for p in &self.pieces {
-            if scratch.len() < p.blocks_len {
-                *scratch = crate::dev::AlignedBuf::zeroed(p.blocks_len);
+        let mut rest = &self.pieces[..];
+        while !rest.is_empty() {
+            let mut n = 1;
+            let mut total = rest[0].blocks_len;
+            while n < rest.len() && total + rest[n].blocks_len <= READ_BATCH {
+                total += rest[n].blocks_len;
+                n += 1;
             }
-            let buf = &mut scratch[..p.blocks_len];
-            dev.read_at(buf, p.disk)?;
-            let sums = &self.sums[&p.extent];
-            for (n, block) in buf.chunks(BS as usize).enumerate() {
-                let idx = (p.within / BS) as usize + n;
-                let want = sums
-                    .get(idx * 4..idx * 4 + 4)
-                    .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
-                    .ok_or_else(|| {
-                        Error::corrupt("data extent", p.extent, "checksum item too short")
-                    })?;
-                if csum(block) != want {
-                    let e =
-                        Error::corrupt("data block", p.disk + n as u64 * BS, "checksum mismatch");
-                    tracing::error!("{e}");
-                    return Err(e);
+            let (batch, after) = rest.split_at(n);
+            rest = after;
+            if scratch.len() < total {
+                *scratch = crate::dev::AlignedBuf::zeroed(total);
+            }
+            {
+                let mut reads: Vec<(&mut [u8], u64)> = Vec::with_capacity(n);
+                let mut free = &mut scratch[..total];
+                for p in batch {
+                    let (buf, tail) = free.split_at_mut(p.blocks_len);
+                    reads.push((buf, p.disk));
+                    free = tail;
                 }
+                dev.read_many(&mut reads)?;
             }
-            put(p.out, &buf[p.skip..p.skip + p.take]);
+            let mut pos = 0;
+            for p in batch {
+                let buf = &scratch[pos..pos + p.blocks_len];
+                pos += p.blocks_len;
+                self.verify(p, buf)?;
+                put(p.out, &buf[p.skip..p.skip + p.take]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the blocks of piece `p`, read into `buf`, against their checksums.
+    fn verify(&self, p: &ReadPiece, buf: &[u8]) -> Result<()> {
+        let sums = &self.sums[&p.extent];
+        for (n, block) in buf.chunks(BS as usize).enumerate() {
+            let idx = (p.within / BS) as usize + n;
+            let want = sums
+                .get(idx * 4..idx * 4 + 4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .ok_or_else(|| {
+                    Error::corrupt("data extent", p.extent, "checksum item too short")
+                })?;
+            if csum(block) != want {
+                let e = Error::corrupt("data block", p.disk + n as u64 * BS, "checksum mismatch");
+                tracing::error!("{e}");
+                return Err(e);
+            }
         }
         Ok(())
     }

@@ -31,6 +31,13 @@ const WB_CHUNK: u64 = 8 << 20;
 /// Readahead windows queued at most (older ones are dropped first).
 const RA_QUEUE_MAX: usize = 8;
 
+/// Stretch of a file whose fills take turns (see `Fs::fill_missing`): the largest
+/// readahead window.
+const FILL_SPAN: u64 = 4 << 20;
+
+/// Readahead windows the readahead thread keeps ahead of a sequential reader.
+const RA_AHEAD: u64 = 2;
+
 /// Most extents one clone step shares under the fs lock.
 const CLONE_STEP_EXTENTS: usize = 512;
 
@@ -66,6 +73,28 @@ fn in_order<'a, T>(a: &'a T, b: &'a T) -> (&'a T, Option<&'a T>) {
         std::cmp::Ordering::Less => (a, Some(b)),
         std::cmp::Ordering::Greater => (b, Some(a)),
     }
+}
+
+/// The parts of `[from, to)` that none of `covered` (sorted by start) covers.
+fn gaps(covered: &[(u64, u64)], from: u64, to: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut pos = from;
+    for &(s, e) in covered {
+        if e <= pos {
+            continue;
+        }
+        if s >= to {
+            break;
+        }
+        if s > pos {
+            out.push((pos, s));
+        }
+        pos = pos.max(e);
+    }
+    if pos < to {
+        out.push((pos, to));
+    }
+    out
 }
 
 /// Groups sorted block numbers into runs `[a, b)`.
@@ -188,10 +217,15 @@ impl Fs {
                 }
             }
         }
+        // Blocks still not uptodate in [da, db) are covered by the write or lie past
+        // the end of the file: zeros plus what is copied below.
+        for k in da..db {
+            if !g.uptodate.get(k) && !covered(k) {
+                g.data[k * BS as usize..(k + 1) * BS as usize].fill(0);
+            }
+        }
         let s = (pos - fstart) as usize;
         g.data[s..s + (wend - pos) as usize].copy_from_slice(&data[..(wend - pos) as usize]);
-        // Blocks still not uptodate in [da, db) are covered by the write or lie past
-        // the end of the file: zeros plus what was just copied.
         g.uptodate.set_range(da, db);
         let newly = g.mark_dirty(da, db);
         drop(g);
@@ -244,20 +278,35 @@ impl Fs {
         .min(fsize);
         let mut held: Vec<(u64, Arc<CachedFolio>)> = Vec::new();
         let missing = self.missing_in(ino, offset, fill_end, end, &mut held);
+        if missing.iter().any(|m| m.off < end) {
+            Stats::add(&self.stats.read_waits, 1);
+        }
         self.fill_missing(ino, &missing)?;
         drop(missing);
-        if async_ra && window_end < fsize {
-            self.queue_readahead(ino, window_end, (window_end + ra).min(fsize));
+        // The thread stays RA_AHEAD windows ahead, so a reader crossing into the next
+        // window finds it read rather than waiting for the device.
+        if async_ra {
+            let mut w = window_end;
+            for _ in 0..RA_AHEAD {
+                if w >= fsize {
+                    break;
+                }
+                self.queue_readahead(ino, w, (w + ra).min(fsize));
+                w += ra;
+            }
         }
-        out.resize((end - offset) as usize, 0);
+        // The held folios cover the read in order: append each one's part (no
+        // zeroing of `out` first).
+        out.reserve((end - offset) as usize);
         for (idx, f) in &held {
             let fstart = idx * fsz;
             let s = offset.max(fstart);
             let e = end.min(fstart + fsz);
+            debug_assert_eq!(out.len() as u64, s - offset);
             let g = f.folio.lock();
-            out[(s - offset) as usize..(e - offset) as usize]
-                .copy_from_slice(&g.data[(s - fstart) as usize..(e - fstart) as usize]);
+            out.extend_from_slice(&g.data[(s - fstart) as usize..(e - fstart) as usize]);
         }
+        debug_assert_eq!(out.len() as u64, end - offset);
         Stats::add(&self.stats.user_read_bytes, out.len() as u64);
         // A stream's reader leaves behind folios it read to their end: the kernel
         // caches what it read, so they may drop behind like a streaming writer's.
@@ -371,14 +420,20 @@ impl Fs {
     /// Reads the `missing` blocks of `ino` from the device into their folios, one
     /// device read per contiguous range (ranges may span folios).
     ///
-    /// Readers of one file fill one at a time (`fill_locks`), and each looks again
-    /// once it has the lock: the kernel sends a sequential stream's reads from several
-    /// threads at once, and their readahead windows overlap.
+    /// Readers filling the same stretch of a file ([`FILL_SPAN`], where the first
+    /// missing block lies) take turns (`fill_locks`), and each looks again once it
+    /// has the lock: the kernel sends a sequential stream's reads from several threads
+    /// at once, and their readahead windows overlap. Stretches apart fill in parallel
+    /// (the readahead thread reads the next window while a reader fills this one).
+    /// Two fills of one block (ranges reaching into the next stretch) would only read
+    /// it twice: writers, which change blocks, hold the file's lock exclusively.
     fn fill_missing(&self, ino: u64, missing: &[Missing]) -> Result<()> {
         if missing.is_empty() {
             return Ok(());
         }
-        let _l = self.fill_locks[(ino % self.fill_locks.len() as u64) as usize].lock();
+        let span = missing[0].off / FILL_SPAN;
+        let shard = (ino.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ span) % self.fill_locks.len() as u64;
+        let _l = self.fill_locks[shard as usize].lock();
         let mut still = Vec::with_capacity(missing.len());
         for m in missing {
             let g = m.folio.folio.lock();
@@ -418,10 +473,12 @@ impl Fs {
         }
         for (r, plan) in ranges.iter().zip(plans) {
             let group = &missing[r.2..r.3];
-            // Copies verified bytes at `at` (from the range start) into the folios;
-            // holes stay zero, as blocks that are not uptodate already are.
+            // File ranges the device filled; the rest of the range is holes.
+            let mut filled: Vec<(u64, u64)> = Vec::new();
+            // Copies verified bytes at `at` (from the range start) into the folios.
             let mut put = |at: usize, bytes: &[u8]| {
                 let (s, e) = (r.0 + at as u64, r.0 + (at + bytes.len()) as u64);
+                filled.push((s, e));
                 for m in group {
                     let me = m.off + (m.b - m.a) as u64 * BS;
                     let (cs, ce) = (s.max(m.off), e.min(me));
@@ -437,8 +494,16 @@ impl Fs {
             };
             SCRATCH
                 .with(|b| plan.for_each_piece(self.dev.as_ref(), &mut b.borrow_mut(), &mut put))?;
+            filled.sort_unstable();
             for m in group {
-                m.folio.folio.lock().uptodate.set_range(m.a, m.b);
+                let me = m.off + (m.b - m.a) as u64 * BS;
+                let mut g = m.folio.folio.lock();
+                // Holes read as zeros (a folio buffer may hold an older folio's bytes).
+                let base = m.off - m.a as u64 * BS;
+                for (hs, he) in gaps(&filled, m.off, me) {
+                    g.data[(hs - base) as usize..(he - base) as usize].fill(0);
+                }
+                g.uptodate.set_range(m.a, m.b);
             }
         }
         Ok(())
