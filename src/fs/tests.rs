@@ -530,3 +530,23 @@ fn fdatasync_skips_what_reading_the_data_does_not_need() {
     let fs = Fs::open(crashed, Options::default()).unwrap();
     assert!(matches!(fs.lookup(ROOT_INO, b"f"), Err(Error::NotFound)));
 }
+
+#[test]
+fn mkfs_writes_zeros_over_the_log_area_and_old_bytes_there_replay_nothing() {
+    // A device that held something else: every byte 0xA5, which must neither stay in
+    // the log area (mkfs writes it, so a sparse image has it allocated) nor replay.
+    let dev = Arc::new(MemDev::from_image(vec![0xA5; (64 * MB) as usize]));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let img = dev.image();
+    let sb = crate::txn::Store::read_super(dev.as_ref()).unwrap();
+    assert!(sb.log_len >= MB);
+    let log = &img[sb.log_start as usize..(sb.log_start + sb.log_len) as usize];
+    assert!(
+        log.iter().all(|&b| b == 0),
+        "mkfs left old bytes in the log area"
+    );
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    // Only "." and ".." in the root.
+    assert!(fs.readdir(ROOT_INO, 0, 100).unwrap().len() <= 2);
+    assert!(problems_after_unmount(&dev, fs).is_empty());
+}
