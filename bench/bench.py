@@ -14,6 +14,8 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
   birchfs-file  birchfs through FUSE on a plain image file (usual use)   daemon stats
   birchfs-folio birchfs-file mounted -o block_dirty=off (whole-folio      daemon stats
                 dirty tracking; W3 only, the seed-5 comparison)
+  birchfs-prealloc birchfs-file on an image made with `mkfs --preallocate` daemon stats
+                (every block written once, as on a disk; W3 only)
   raw           a directory of the host filesystem, no loop (the limit)  none
   fuse-floor    libfuse's passthrough_ll example (-o writeback, like     loop sectors
                 birchfs) over ext4 on a loop device (the FUSE floor)      (of the ext4)
@@ -131,14 +133,14 @@ PROFILES = {
     },
 }
 
-TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "birchfs-folio", "raw",
-           "fuse-floor"]
+TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "birchfs-folio",
+           "birchfs-prealloc", "raw", "fuse-floor"]
 KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
-BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio"]
+BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-prealloc"]
 # Targets that can take snapshots (the W2-snap variant runs on these only).
 SNAPSHOT_TARGETS = ["btrfs", "birchfs-loop", "birchfs-file"]
 # Targets that run only for some workloads.
-ONLY_FOR = {"birchfs-folio": {"W3"}}
+ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-prealloc": {"W3"}}
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -147,6 +149,7 @@ LABELS = {
     "birchfs-loop": "birchfs (loop)",
     "birchfs-file": "birchfs (file)",
     "birchfs-folio": "birchfs (file) block_dirty=off",
+    "birchfs-prealloc": "birchfs (file) preallocated",
     "raw": "raw host dir",
     "fuse-floor": "FUSE floor",
 }
@@ -158,6 +161,7 @@ COLORS = {
     "birchfs-loop": "#d62728",
     "birchfs-file": "#ff9896",
     "birchfs-folio": "#8c564b",
+    "birchfs-prealloc": "#e377c2",
     "raw": "#7f7f7f",
     "fuse-floor": "#bcbd22",
 }
@@ -408,8 +412,9 @@ class Target:
             d.mkdir(parents=True)
             return d
         self.fresh_image()
-        if n in ("birchfs-file", "birchfs-folio"):
-            run([BIRCHFS, "mkfs", "--size", self.image_size, self.img])
+        if n in ("birchfs-file", "birchfs-folio", "birchfs-prealloc"):
+            pre = ["--preallocate"] if n == "birchfs-prealloc" else []
+            run([BIRCHFS, "mkfs", "--size", self.image_size] + pre + [self.img])
             self.birch_mount(self.img)
             return self.mp
         self.dev = loop_attach(self.img)
@@ -1058,7 +1063,9 @@ def write_report(res, outdir):
     L.append(f"- Targets: {', '.join(LABELS[t] + ' (`' + t + '`)' for t in targets)}. "
              f"Every filesystem image is a fresh sparse {prof['image_size']} file on the same disk, on a loop device "
              f"with `--direct-io=on` (except `raw`: a directory of the host filesystem, and `birchfs-file`: "
-             f"the plain image file). btrfs is mounted `-o ssd`; the FUSE floor is libfuse {vv['libfuse']}'s "
+             f"the plain image file; `birchfs-prealloc` is that image made with `birchfs mkfs --preallocate`, "
+             f"which writes zeros over all of it before the run, so that birchfs's copy-on-write blocks land "
+             f"in blocks the host has allocated, as on a disk, rather than in holes of the sparse file). btrfs is mounted `-o ssd`; the FUSE floor is libfuse {vv['libfuse']}'s "
              f"`passthrough_ll -o writeback` (birchfs also uses the writeback cache) over ext4 on a loop device.")
     L.append(f"- A fresh filesystem for every run; targets interleaved (A B C … A B C …) within each workload variant (W2-snap in the same rounds as W2); "
              f"{prof['reps']} repetitions; `sync` + `drop_caches` before each measured run. Cells: median (min–max).")

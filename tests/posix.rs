@@ -2876,3 +2876,32 @@ fn concurrent_create_write_fsync_delete() {
     check(&m);
     m.unmount();
 }
+
+#[test]
+fn mkfs_preallocate_writes_the_whole_image_and_mounts() {
+    use std::os::unix::fs::MetadataExt;
+    let mut m = Mount::new();
+    m.unmount();
+    let out = m.mkfs(&["--size", "96M", "--force", "--preallocate"]);
+    assert!(
+        out.status.success(),
+        "mkfs --preallocate failed:\n{}",
+        describe(&out)
+    );
+    let meta = fs::metadata(m.image()).unwrap();
+    assert_eq!(meta.len(), 96 * MIB);
+    // Every block is allocated on the host: no holes left for fsyncs to fill.
+    assert!(
+        meta.blocks() * 512 >= 96 * MIB,
+        "only {} bytes allocated",
+        meta.blocks() * 512
+    );
+    let c = m.check();
+    assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
+    m.mount();
+    fs::write(m.path("f"), b"after preallocate").unwrap();
+    m.unmount();
+    m.mount();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"after preallocate");
+    m.unmount();
+}
