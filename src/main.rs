@@ -313,6 +313,20 @@ fn mkfs(
                 image.display()
             );
         }
+        // It overwrites every byte: refuse what mkfs would refuse anyway first, and an
+        // existing file's contents without --force.
+        if meta.len() < 32 << 20 {
+            bail!(
+                "{} is smaller than 32 MiB; nothing written",
+                image.display()
+            );
+        }
+        if exists && !force {
+            bail!(
+                "--preallocate overwrites all of the existing {}; add --force",
+                image.display()
+            );
+        }
         preallocate(image, meta.len())?;
     }
     let dev = Arc::new(

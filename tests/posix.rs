@@ -2882,6 +2882,27 @@ fn mkfs_preallocate_writes_the_whole_image_and_mounts() {
     use std::os::unix::fs::MetadataExt;
     let mut m = Mount::new();
     m.unmount();
+    // An existing file is overwritten whole only with --force, and a tiny one not at all.
+    let other = m.image().with_extension("other");
+    fs::write(&other, vec![7u8; 40 << 20]).unwrap();
+    let out = Command::new(BIN)
+        .args(["mkfs", "--preallocate"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "--preallocate without --force");
+    assert!(
+        fs::read(&other).unwrap().iter().all(|&b| b == 7),
+        "a refused --preallocate wrote to the file"
+    );
+    fs::remove_file(&other).unwrap();
+    let out = m.mkfs(&["--size", "16M", "--force", "--preallocate"]);
+    assert!(!out.status.success(), "--preallocate of 16 MiB");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("nothing written"),
+        "refused only after zeroing:\n{}",
+        describe(&out)
+    );
     let out = m.mkfs(&["--size", "96M", "--force", "--preallocate"]);
     assert!(
         out.status.success(),

@@ -2,7 +2,8 @@
 //! bit per 4 KiB block (seed 5: writeback writes only the dirty blocks).
 //!
 //! Invariants: a dirty block is always uptodate (a partial-block write reads the
-//! block first), and a block that is not uptodate holds zeros.
+//! block first), and the bytes of a block that is not uptodate mean nothing (a folio's
+//! buffer may be a recycled one): whoever marks a block uptodate has written all of it.
 
 use std::time::Instant;
 
@@ -70,7 +71,7 @@ impl Bitmap {
 /// The cached bytes of one folio and the state of each of its blocks.
 #[derive(Debug)]
 pub(crate) struct Folio {
-    /// The folio's bytes; blocks that are not uptodate are zeros.
+    /// The folio's bytes; those of blocks that are not uptodate are left over.
     pub(crate) data: Box<[u8]>,
     /// Blocks whose bytes are the file's current contents.
     pub(crate) uptodate: Bitmap,

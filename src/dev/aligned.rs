@@ -92,15 +92,14 @@ impl BufPool {
         }
     }
 
-    /// An empty buffer with room for the pool's size.
+    /// An empty buffer: a spare one with room for the pool's size, else a new one that
+    /// grows as it is filled (so many small runs do not each reserve the full size).
     pub fn take(&self) -> AlignedBuf {
-        self.spare
-            .lock()
-            .pop()
-            .unwrap_or_else(|| AlignedBuf::with_capacity(self.size))
+        self.spare.lock().pop().unwrap_or_default()
     }
 
-    /// Gives a buffer back; one that grew past the pool's size, or one too many, is freed.
+    /// Gives a buffer back; only one whose room is exactly the pool's size is kept (one
+    /// grown by doubling to that size is), and no more than the pool's bound.
     pub fn give(&self, mut b: AlignedBuf) {
         if b.capacity() != self.size.next_multiple_of(4096) {
             return;
@@ -132,15 +131,22 @@ mod tests {
     fn pool_reuses_memory_and_bounds_what_it_keeps() {
         let pool = BufPool::new(64 << 10, 2);
         let mut a = pool.take();
-        assert!(a.is_empty() && a.capacity() == 64 << 10);
-        a.extend_from_slice(&[3u8; 64 << 10]);
+        assert!(a.is_empty(), "a new buffer reserves nothing up front");
+        // Filled block by block up to the pool's size, it doubles to exactly that.
+        for _ in 0..16 {
+            a.extend_from_slice(&[3u8; 4096]);
+        }
+        assert_eq!(a.capacity(), 64 << 10);
         let at = a.as_ptr();
         pool.give(a);
         let b = pool.take();
-        assert!(b.is_empty(), "a buffer comes back empty");
+        assert!(
+            b.is_empty() && b.capacity() == 64 << 10,
+            "a spare comes back empty"
+        );
         assert_eq!(b.as_ptr(), at, "the same memory is handed out again");
         // A buffer that grew is not kept (it would hold more than the pool's size).
-        let mut big = pool.take();
+        let mut big = AlignedBuf::default();
         big.extend_from_slice(&[1u8; 128 << 10]);
         pool.give(big);
         assert_eq!(pool.spare.lock().len(), 0);
