@@ -243,27 +243,15 @@ fn parse_size(s: &str) -> Result<u64> {
         .ok_or_else(|| anyhow!("size '{s}' too large"))
 }
 
-/// Writes zeros over all of the image file `f` of `len` bytes, so the host allocates
+/// Writes zeros over all `len` bytes of the image file `image`, so the host allocates
 /// every block: on a sparse image, a copy-on-write filesystem's fsyncs keep landing
 /// in holes, and the host then commits its own journal before the flush returns.
 fn preallocate(image: &Path, len: u64) -> Result<()> {
     use birchfs::dev::BlockDev;
-    const CHUNK: u64 = 4 << 20;
-    const BATCH: u64 = 16;
     let dev =
         FileDev::open(image, true).with_context(|| format!("cannot open {}", image.display()))?;
-    let zeros = birchfs::dev::AlignedBuf::zeroed(CHUNK as usize);
-    let mut off = 0;
-    while off < len {
-        let pieces: Vec<(&[u8], u64)> = (0..BATCH)
-            .map(|k| off + k * CHUNK)
-            .take_while(|&o| o < len)
-            .map(|o| (&zeros[..(len - o).min(CHUNK) as usize], o))
-            .collect();
-        off += BATCH * CHUNK;
-        dev.write_many(&pieces)
-            .with_context(|| format!("cannot write zeros to {}", image.display()))?;
-    }
+    birchfs::dev::write_zeros(&dev, 0, len)
+        .with_context(|| format!("cannot write zeros to {}", image.display()))?;
     dev.flush()
         .with_context(|| format!("cannot flush {}", image.display()))?;
     Ok(())

@@ -329,17 +329,19 @@ impl BlockDev for FileDev {
             }
         }
         for chunk in batch.chunks(RING_ENTRIES) {
-            let ops: Vec<RingOp> = chunk
-                .iter()
-                .map(|&(b, off)| RingOp {
-                    // The ring only reads from a write's buffer.
-                    ptr: b.as_ptr().cast_mut(),
-                    len: b.len(),
-                    off,
-                })
-                .collect();
-            if chunk.len() > 1 && ring_io(d, &ops, false)? {
-                continue;
+            if chunk.len() > 1 {
+                let ops: Vec<RingOp> = chunk
+                    .iter()
+                    .map(|&(b, off)| RingOp {
+                        // The ring only reads from a write's buffer.
+                        ptr: b.as_ptr().cast_mut(),
+                        len: b.len(),
+                        off,
+                    })
+                    .collect();
+                if ring_io(d, &ops, false)? {
+                    continue;
+                }
             }
             for &(buf, off) in chunk {
                 d.write_all_at(buf, off)?;
