@@ -6,7 +6,7 @@ What it does
 Compares birchfs with the kernel filesystems on the same disk and the same layers:
 
   target        what                                                     device counter
-  btrfs         kernel btrfs, mount -o ssd, on a loop device             loop sectors
+  btrfs         kernel btrfs, mount -o ssd,nodiscard, on a loop device   loop sectors
   ext4          kernel ext4 (mkfs defaults), on a loop device            loop sectors
   ext4-fc       ext4 made with -O fast_commit, on a loop device          loop sectors
   xfs           kernel XFS (mkfs defaults), on a loop device             loop sectors
@@ -14,15 +14,22 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
   birchfs-file  birchfs through FUSE on a plain image file (usual use)   daemon stats
   birchfs-folio birchfs-file mounted -o block_dirty=off (whole-folio      daemon stats
                 dirty tracking; W3 only, the seed-5 comparison)
-  birchfs-prealloc birchfs-file on an image made with `mkfs --preallocate` daemon stats
-                (every block written once, as on a disk; W3 only)
+  birchfs-sparse birchfs-file on a fresh sparse image file (what a plain   daemon stats
+                `birchfs mkfs IMAGE` makes; W3 only, to show what holes cost)
   raw           a directory of the host filesystem, no loop (the limit)  none
   fuse-floor    libfuse's passthrough_ll example (-o writeback, like     loop sectors
                 birchfs) over ext4 on a loop device (the FUSE floor)      (of the ext4)
 
-Every image is a fresh sparse file of the same size in the work directory (same disk
-as the repository), attached with `losetup --direct-io=on`. A fresh filesystem is made
-for every run (every workload variant, target and repetition).
+Every target but raw and birchfs-sparse uses one image file in the work directory
+(same disk as the repository), written with zeros once, so that its blocks are
+allocated on the host as a disk's are: on a sparse file, every write into a hole
+makes the host allocate and commit its own journal before a flush returns, a cost
+that falls on copy-on-write filesystems (which write new blocks all the time) and
+not on a real disk. Kernel filesystems see it through `losetup --direct-io=on`, are
+made and mounted without discard (mkfs.ext4 -E nodiscard, mkfs.xfs -K, mkfs.btrfs
+-K, btrfs -o nodiscard) so that the loop device does not punch holes back into it;
+birchfs-file uses it directly. A fresh filesystem is made for every run (every
+workload variant, target and repetition).
 
 Workloads (fio job templates in bench/jobs/, sizes from the profile below):
   W1  seed 1: randwrite bs=4k fsync=4 ioengine=sync direct=0 fallocate=none,
@@ -92,7 +99,7 @@ FUSE_EXAMPLES = Path("/usr/share/doc/libfuse3-dev/examples")
 MiB = 1 << 20
 # ext4 otherwise zeroes inode tables and journal in the background after mount
 # (ext4lazyinit), which would add device writes and load to the measured runs.
-EXT4_NOLAZY = ["-E", "lazy_itable_init=0,lazy_journal_init=0"]
+EXT4_NOLAZY = ["-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard"]
 
 PROFILES = {
     "full": {
@@ -134,13 +141,13 @@ PROFILES = {
 }
 
 TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "birchfs-folio",
-           "birchfs-prealloc", "raw", "fuse-floor"]
+           "birchfs-sparse", "raw", "fuse-floor"]
 KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
-BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-prealloc"]
+BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-sparse"]
 # Targets that can take snapshots (the W2-snap variant runs on these only).
 SNAPSHOT_TARGETS = ["btrfs", "birchfs-loop", "birchfs-file"]
 # Targets that run only for some workloads.
-ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-prealloc": {"W3"}}
+ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-sparse": {"W3"}}
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -149,7 +156,7 @@ LABELS = {
     "birchfs-loop": "birchfs (loop)",
     "birchfs-file": "birchfs (file)",
     "birchfs-folio": "birchfs (file) block_dirty=off",
-    "birchfs-prealloc": "birchfs (file) preallocated",
+    "birchfs-sparse": "birchfs (file) sparse image",
     "raw": "raw host dir",
     "fuse-floor": "FUSE floor",
 }
@@ -161,7 +168,7 @@ COLORS = {
     "birchfs-loop": "#d62728",
     "birchfs-file": "#ff9896",
     "birchfs-folio": "#8c564b",
-    "birchfs-prealloc": "#e377c2",
+    "birchfs-sparse": "#e377c2",
     "raw": "#7f7f7f",
     "fuse-floor": "#bcbd22",
 }
@@ -388,7 +395,8 @@ class Target:
         self.name = name
         self.work = work
         self.image_size = image_size
-        self.img = work / "img" / f"{name}.img"
+        self.sparse = name == "birchfs-sparse"
+        self.img = work / "img" / (f"{name}.img" if self.sparse else DISK_IMAGE)
         self.mp = work / "mnt" / name
         self.dev = None
         self.lower_mp = work / "lower" / name
@@ -396,7 +404,12 @@ class Target:
         self.log = work / "log" / f"{name}.log"
 
     def fresh_image(self):
+        """A new sparse image for birchfs-sparse; for every other target, the shared
+        zero-filled image (written once)."""
         self.img.parent.mkdir(parents=True, exist_ok=True)
+        if not self.sparse:
+            disk_image(self.img, parse_size(self.image_size))
+            return
         if self.img.exists():
             self.img.unlink()
         with open(self.img, "wb") as f:
@@ -412,9 +425,11 @@ class Target:
             d.mkdir(parents=True)
             return d
         self.fresh_image()
-        if n in ("birchfs-file", "birchfs-folio", "birchfs-prealloc"):
-            pre = ["--preallocate"] if n == "birchfs-prealloc" else []
-            run([BIRCHFS, "mkfs", "--size", self.image_size] + pre + [self.img])
+        if n in ("birchfs-file", "birchfs-folio", "birchfs-sparse"):
+            if self.sparse:
+                run([BIRCHFS, "mkfs", "--size", self.image_size, self.img])
+            else:
+                run([BIRCHFS, "mkfs", "--force", self.img])
             self.birch_mount(self.img)
             return self.mp
         self.dev = loop_attach(self.img)
@@ -438,13 +453,13 @@ class Target:
                 raise RunError(f"passthrough_ll did not mount (see {self.log})")
         else:
             mkfs = {
-                "btrfs": ["mkfs.btrfs", "-q", "-f"],
+                "btrfs": ["mkfs.btrfs", "-q", "-f", "-K"],
                 "ext4": ["mkfs.ext4", "-q", "-F"] + EXT4_NOLAZY,
                 "ext4-fc": ["mkfs.ext4", "-q", "-F", "-O", "fast_commit"] + EXT4_NOLAZY,
-                "xfs": ["mkfs.xfs", "-q", "-f"],
+                "xfs": ["mkfs.xfs", "-q", "-f", "-K"],
             }[n]
             run(mkfs + [self.dev])
-            opts = ["-o", "ssd"] if n == "btrfs" else []
+            opts = ["-o", "ssd,nodiscard"] if n == "btrfs" else []
             run(["mount"] + opts + [self.dev, self.mp])
         return self.mp
 
@@ -514,8 +529,33 @@ class Target:
         if self.dev:
             loop_detach(self.dev)
             self.dev = None
-        if self.img.exists():
+        if self.sparse and self.img.exists():
             self.img.unlink()
+
+
+# The image file every target but raw and birchfs-sparse uses (see the module doc).
+DISK_IMAGE = "disk.img"
+
+
+def disk_image(path, size):
+    """Makes `path` a file of `size` bytes, all written (allocated on the host), unless
+    it already is one; earlier runs' contents stay, as on a reused disk."""
+    try:
+        st = path.stat()
+        if st.st_size == size and st.st_blocks * 512 >= size:
+            return
+    except FileNotFoundError:
+        pass
+    log(f"writing zeros over {path} ({size >> 20} MiB), once for the whole run")
+    zeros = bytes(16 << 20)
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, len(zeros))
+            f.write(memoryview(zeros)[:n])
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def raise_nofile():
@@ -1061,11 +1101,14 @@ def write_report(res, outdir):
     L.append("## Method")
     L.append("")
     L.append(f"- Targets: {', '.join(LABELS[t] + ' (`' + t + '`)' for t in targets)}. "
-             f"Every filesystem image is a fresh sparse {prof['image_size']} file on the same disk, on a loop device "
-             f"with `--direct-io=on` (except `raw`: a directory of the host filesystem, and `birchfs-file`: "
-             f"the plain image file; `birchfs-prealloc` is that image made with `birchfs mkfs --preallocate`, "
-             f"which writes zeros over all of it before the run, so that birchfs's copy-on-write blocks land "
-             f"in blocks the host has allocated, as on a disk, rather than in holes of the sparse file). btrfs is mounted `-o ssd`; the FUSE floor is libfuse {vv['libfuse']}'s "
+             f"Every target's filesystem lives on one {prof['image_size']} image file on the same disk, written with zeros once "
+             f"before the first run so that its blocks are allocated on the host, as a disk's are (in a sparse file every "
+             f"write into a hole makes the host allocate and commit its journal before a flush returns, which copy-on-write "
+             f"filesystems pay on most fsyncs and a real disk never does). Kernel filesystems see it through a loop device "
+             f"with `--direct-io=on` and are made and mounted without discard (`mkfs.ext4 -E nodiscard`, `mkfs.xfs -K`, "
+             f"`mkfs.btrfs -K`, btrfs `-o nodiscard`), so the loop device punches no holes into it; `birchfs-file` uses the "
+             f"file itself; `raw` is a directory of the host filesystem; `birchfs-sparse` is birchfs on a fresh sparse image "
+             f"file (what a plain `birchfs mkfs` makes), to show what the holes cost. btrfs is mounted `-o ssd,nodiscard`; the FUSE floor is libfuse {vv['libfuse']}'s "
              f"`passthrough_ll -o writeback` (birchfs also uses the writeback cache) over ext4 on a loop device.")
     L.append(f"- A fresh filesystem for every run; targets interleaved (A B C … A B C …) within each workload variant (W2-snap in the same rounds as W2); "
              f"{prof['reps']} repetitions; `sync` + `drop_caches` before each measured run. Cells: median (min–max).")
