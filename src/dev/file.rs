@@ -196,9 +196,10 @@ struct RingOp {
 }
 
 /// Carries out every op of `ops` (at most [`RING_ENTRIES`], buffers aligned) on `d`
-/// through this thread's io_uring, all in flight at once: reads when `read`, else
-/// writes. Returns `Ok(false)`, nothing done, when there is no ring to use.
-fn ring_io(d: &File, ops: &[RingOp], read: bool) -> io::Result<bool> {
+/// (the O_DIRECT file) through this thread's io_uring, all in flight at once: reads
+/// when `read`, else writes; `plain` is the same file without O_DIRECT, for the rest
+/// of a short transfer. Returns `Ok(false)`, nothing done, when there is no ring to use.
+fn ring_io(d: &File, plain: &File, ops: &[RingOp], read: bool) -> io::Result<bool> {
     use io_uring::{opcode, types};
     debug_assert!(ops.len() <= RING_ENTRIES);
     RING.with(|r| {
@@ -263,20 +264,33 @@ fn ring_io(d: &File, ops: &[RingOp], read: bool) -> io::Result<bool> {
         if let Some(e) = first_err {
             return Err(e);
         }
-        // A short direct transfer is legal, if rare: finish it synchronously.
         for (op, &n) in ops.iter().zip(&done) {
-            if n < op.len {
-                // SAFETY: the caller's buffer of `op.len` bytes, no longer in flight.
-                let rest = unsafe { std::slice::from_raw_parts_mut(op.ptr.add(n), op.len - n) };
-                if read {
-                    d.read_exact_at(rest, op.off + n as u64)?;
-                } else {
-                    d.write_all_at(rest, op.off + n as u64)?;
-                }
-            }
+            finish_short(d, plain, *op, n, read)?;
         }
         Ok(true)
     })
+}
+
+/// Finishes `op` after its first `n` bytes were transferred (a short direct transfer
+/// is legal, if rare): synchronously, on `d` while the rest is still whole direct-I/O
+/// blocks, else on `plain`, since O_DIRECT refuses an unaligned rest (EINVAL).
+fn finish_short(d: &File, plain: &File, op: RingOp, n: usize, read: bool) -> io::Result<()> {
+    if n >= op.len {
+        return Ok(());
+    }
+    // SAFETY: the caller's buffer of `op.len` bytes, no longer in flight.
+    let rest = unsafe { std::slice::from_raw_parts_mut(op.ptr.add(n), op.len - n) };
+    let off = op.off + n as u64;
+    let f = if aligned(rest.len(), off) && rest.as_ptr() as usize % DIRECT_ALIGN == 0 {
+        d
+    } else {
+        plain
+    };
+    if read {
+        f.read_exact_at(rest, off)
+    } else {
+        f.write_all_at(rest, off)
+    }
 }
 
 impl BlockDev for FileDev {
@@ -339,7 +353,7 @@ impl BlockDev for FileDev {
                         off,
                     })
                     .collect();
-                if ring_io(d, &ops, false)? {
+                if ring_io(d, &self.file, &ops, false)? {
                     continue;
                 }
             }
@@ -371,7 +385,7 @@ impl BlockDev for FileDev {
             return Ok(());
         };
         for chunk in ops.chunks(RING_ENTRIES) {
-            if chunk.len() > 1 && ring_io(d, chunk, true)? {
+            if chunk.len() > 1 && ring_io(d, &self.file, chunk, true)? {
                 continue;
             }
             for op in chunk {
@@ -412,6 +426,46 @@ mod tests {
             .unwrap();
         let dev = FileDev::open(&path, true).unwrap();
         (dir, dev)
+    }
+
+    /// The rest of a short direct transfer is finished whether or not it is whole
+    /// blocks: an unaligned rest goes through the plain file (O_DIRECT would refuse
+    /// it with EINVAL), an aligned one stays direct.
+    #[test]
+    fn a_short_transfer_is_finished_aligned_or_not() {
+        let (_dir, dev) = device();
+        let Some(d) = dev.direct.as_ref() else {
+            return; // no O_DIRECT here: nothing can come back short
+        };
+        let data = pattern(64 << 10, 9);
+        let mut src = AlignedBuf::default();
+        src.extend_from_slice(&data);
+        for n in [0, 512, 4096, 5000, (64 << 10) - 1, 64 << 10] {
+            let off = 1 << 20;
+            dev.write_at(&vec![0u8; 64 << 10], off).unwrap();
+            // As if the device had taken the first n bytes: write them, then finish.
+            dev.file.write_all_at(&data[..n], off).unwrap();
+            let op = RingOp {
+                ptr: src.as_ptr().cast_mut(),
+                len: src.len(),
+                off,
+            };
+            finish_short(d, &dev.file, op, n, false).unwrap();
+            let mut back = vec![0u8; 64 << 10];
+            dev.read_at(&mut back, off).unwrap();
+            assert!(back == data, "write finished after {n} bytes");
+            // And a read that came back short after n bytes.
+            let mut dst = AlignedBuf::default();
+            dst.extend_from_slice(&vec![0u8; 64 << 10]);
+            dst[..n].copy_from_slice(&data[..n]);
+            let op = RingOp {
+                ptr: dst.as_mut_ptr(),
+                len: dst.len(),
+                off,
+            };
+            finish_short(d, &dev.file, op, n, true).unwrap();
+            assert!(dst[..] == data[..], "read finished after {n} bytes");
+        }
     }
 
     /// Writes a batch mixing large aligned writes (direct, through the ring when
