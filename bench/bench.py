@@ -11,7 +11,7 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
   ext4-fc       ext4 made with -O fast_commit, on a loop device          loop sectors
   xfs           kernel XFS (mkfs defaults), on a loop device             loop sectors
   birchfs-loop  birchfs through FUSE on a loop device (the fair row)     daemon stats
-  birchfs-file  birchfs through FUSE on a plain image file (usual use)   daemon stats
+  birchfs-file  birchfs through FUSE on a plain image file               daemon stats
   birchfs-folio birchfs-file mounted -o block_dirty=off (whole-folio      daemon stats
                 dirty tracking; W3 only, the seed-5 comparison)
   birchfs-sparse birchfs-file on a fresh sparse image file (what a plain   daemon stats
@@ -81,6 +81,7 @@ import fcntl
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -408,6 +409,12 @@ class Target:
         zero-filled image (written once)."""
         self.img.parent.mkdir(parents=True, exist_ok=True)
         if not self.sparse:
+            # An earlier target that did not let go (lazy unmount, busy loop device,
+            # daemon still running) would write into the next one's filesystem.
+            held = run(["losetup", "-j", str(self.img)], check=False).stdout.strip()
+            if held or not lock_free(self.img):
+                raise RunError(f"{self.img} is still in use ({held or 'locked'}); "
+                               "not reusing it")
             disk_image(self.img, parse_size(self.image_size))
             return
         if self.img.exists():
@@ -458,7 +465,9 @@ class Target:
                 "ext4-fc": ["mkfs.ext4", "-q", "-F", "-O", "fast_commit"] + EXT4_NOLAZY,
                 "xfs": ["mkfs.xfs", "-q", "-f", "-K"],
             }[n]
-            run(mkfs + [self.dev])
+            # mke2fs zeroes inode tables and journal with fallocate(ZERO_RANGE), which
+            # the loop device turns into unwritten extents of the image: write instead.
+            run(mkfs + [self.dev], env=dict(os.environ, UNIX_IO_NOZEROOUT="1"))
             opts = ["-o", "ssd,nodiscard"] if n == "btrfs" else []
             run(["mount"] + opts + [self.dev, self.mp])
         return self.mp
@@ -493,7 +502,7 @@ class Target:
             self.birch_mount(self.dev or self.img)
         elif n in KERNEL:
             unmount(self.mp)
-            opts = ["-o", "ssd"] if n == "btrfs" else []
+            opts = ["-o", "ssd,nodiscard"] if n == "btrfs" else []
             run(["mount"] + opts + [self.dev, self.mp])
 
     def counters(self):
@@ -537,16 +546,56 @@ class Target:
 DISK_IMAGE = "disk.img"
 
 
+def unwritten_ranges(path, size):
+    """Byte ranges of `path` the host has not written: holes and unwritten
+    (fallocated or zero-ranged) extents, from `filefrag -v`; None if unknown."""
+    r = run(["filefrag", "-v", "-b4096", str(path)], check=False)
+    if r.returncode != 0:
+        return None
+    ranges, pos = [], 0
+    for line in r.stdout.splitlines():
+        m = re.match(r"\s*\d+:\s+(\d+)\.\.\s*(\d+):.*?(\S*)$", line)
+        if not m:
+            continue
+        start, end = int(m.group(1)) * 4096, (int(m.group(2)) + 1) * 4096
+        if start > pos:
+            ranges.append((pos, start))
+        if "unwritten" in line:
+            ranges.append((start, end))
+        pos = max(pos, end)
+    if pos < size:
+        ranges.append((pos, size))
+    return ranges
+
+
 def disk_image(path, size):
     """Makes `path` a file of `size` bytes, all written (allocated on the host), unless
-    it already is one; earlier runs' contents stay, as on a reused disk."""
+    it already is one; earlier runs' contents stay, as on a reused disk. Ranges the
+    host has not written (holes, or unwritten extents the loop device made for a
+    mkfs's zeroing) are written with zeros again."""
     try:
         st = path.stat()
-        if st.st_size == size and st.st_blocks * 512 >= size:
-            return
+        if st.st_size == size:
+            gaps = unwritten_ranges(path, size)
+            if gaps == []:
+                return
+            if gaps:
+                total = sum(b - a for a, b in gaps)
+                log(f"writing zeros over {total >> 20} MiB of {path} the host had not written")
+                zeros = bytes(16 << 20)
+                with open(path, "r+b") as f:
+                    for a, b in gaps:
+                        f.seek(a)
+                        while a < b:
+                            n = min(b - a, len(zeros))
+                            f.write(memoryview(zeros)[:n])
+                            a += n
+                    f.flush()
+                    os.fsync(f.fileno())
+                return
     except FileNotFoundError:
         pass
-    log(f"writing zeros over {path} ({size >> 20} MiB), once for the whole run")
+    log(f"writing zeros over {path} ({size >> 20} MiB)")
     zeros = bytes(16 << 20)
     with open(path, "wb") as f:
         left = size

@@ -278,18 +278,23 @@ fn finish_short(d: &File, plain: &File, op: RingOp, n: usize, read: bool) -> io:
     if n >= op.len {
         return Ok(());
     }
-    // SAFETY: the caller's buffer of `op.len` bytes, no longer in flight.
-    let rest = unsafe { std::slice::from_raw_parts_mut(op.ptr.add(n), op.len - n) };
     let off = op.off + n as u64;
-    let f = if aligned(rest.len(), off) && rest.as_ptr() as usize % DIRECT_ALIGN == 0 {
+    let len = op.len - n;
+    // SAFETY: `op.ptr + n .. op.ptr + op.len` lies in the caller's buffer, which is no
+    // longer in flight; a write's buffer is only read (it may be shared), a read's is
+    // the caller's own mutable buffer.
+    let ptr = unsafe { op.ptr.add(n) };
+    let f = if aligned(len, off) && ptr as usize % DIRECT_ALIGN == 0 {
         d
     } else {
         plain
     };
     if read {
-        f.read_exact_at(rest, off)
+        // SAFETY: see above.
+        f.read_exact_at(unsafe { std::slice::from_raw_parts_mut(ptr, len) }, off)
     } else {
-        f.write_all_at(rest, off)
+        // SAFETY: see above.
+        f.write_all_at(unsafe { std::slice::from_raw_parts(ptr, len) }, off)
     }
 }
 
