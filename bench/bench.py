@@ -21,7 +21,8 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
                 birchfs) over ext4 on a loop device (the FUSE floor)      (of the ext4)
 
 Every target but raw and birchfs-sparse uses one image file in the work directory
-(same disk as the repository), written with zeros once, so that its blocks are
+(same disk as the repository), written with zeros (whole once, and before each use
+wherever the host holds it unwritten again), so that its blocks are
 allocated on the host as a disk's are: on a sparse file, every write into a hole
 makes the host allocate and commit its own journal before a flush returns, a cost
 that falls on copy-on-write filesystems (which write new blocks all the time) and
@@ -406,7 +407,7 @@ class Target:
 
     def fresh_image(self):
         """A new sparse image for birchfs-sparse; for every other target, the shared
-        zero-filled image (written once)."""
+        zero-filled image (see `disk_image`)."""
         self.img.parent.mkdir(parents=True, exist_ok=True)
         if not self.sparse:
             # An earlier target that did not let go (lazy unmount, busy loop device,
@@ -554,7 +555,7 @@ def unwritten_ranges(path, size):
         return None
     ranges, pos = [], 0
     for line in r.stdout.splitlines():
-        m = re.match(r"\s*\d+:\s+(\d+)\.\.\s*(\d+):.*?(\S*)$", line)
+        m = re.match(r"\s*\d+:\s+(\d+)\.\.\s*(\d+):", line)
         if not m:
             continue
         start, end = int(m.group(1)) * 4096, (int(m.group(2)) + 1) * 4096
@@ -569,40 +570,32 @@ def unwritten_ranges(path, size):
 
 
 def disk_image(path, size):
-    """Makes `path` a file of `size` bytes, all written (allocated on the host), unless
-    it already is one; earlier runs' contents stay, as on a reused disk. Ranges the
-    host has not written (holes, or unwritten extents the loop device made for a
-    mkfs's zeroing) are written with zeros again."""
+    """Makes `path` a file of `size` bytes, all written (allocated on the host): a new
+    or wrongly sized file is written whole; an existing one only where the host has
+    not written it (holes, or unwritten extents the loop device made for a mkfs's
+    zeroing). Earlier runs' contents stay elsewhere, as on a reused disk."""
+    gaps = None
     try:
-        st = path.stat()
-        if st.st_size == size:
+        if path.stat().st_size == size:
             gaps = unwritten_ranges(path, size)
-            if gaps == []:
-                return
-            if gaps:
-                total = sum(b - a for a, b in gaps)
-                log(f"writing zeros over {total >> 20} MiB of {path} the host had not written")
-                zeros = bytes(16 << 20)
-                with open(path, "r+b") as f:
-                    for a, b in gaps:
-                        f.seek(a)
-                        while a < b:
-                            n = min(b - a, len(zeros))
-                            f.write(memoryview(zeros)[:n])
-                            a += n
-                    f.flush()
-                    os.fsync(f.fileno())
-                return
     except FileNotFoundError:
         pass
-    log(f"writing zeros over {path} ({size >> 20} MiB)")
+    if gaps == []:
+        return
+    if gaps is None:
+        with open(path, "wb") as f:
+            f.truncate(size)
+        gaps = [(0, size)]
+    log(f"writing zeros over {sum(b - a for a, b in gaps) >> 20} MiB of {path} "
+        "the host had not written")
     zeros = bytes(16 << 20)
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            n = min(left, len(zeros))
-            f.write(memoryview(zeros)[:n])
-            left -= n
+    with open(path, "r+b") as f:
+        for a, b in gaps:
+            f.seek(a)
+            while a < b:
+                n = min(b - a, len(zeros))
+                f.write(memoryview(zeros)[:n])
+                a += n
         f.flush()
         os.fsync(f.fileno())
 
@@ -1150,8 +1143,8 @@ def write_report(res, outdir):
     L.append("## Method")
     L.append("")
     L.append(f"- Targets: {', '.join(LABELS[t] + ' (`' + t + '`)' for t in targets)}. "
-             f"Every target's filesystem lives on one {prof['image_size']} image file on the same disk, written with zeros once "
-             f"before the first run so that its blocks are allocated on the host, as a disk's are (in a sparse file every "
+             f"Every target's filesystem lives on one {prof['image_size']} image file on the same disk, written with zeros "
+             f"(whole once, and before each run wherever the host holds it unwritten again, e.g. after a mkfs's zeroing) so that its blocks are allocated on the host, as a disk's are (in a sparse file every "
              f"write into a hole makes the host allocate and commit its journal before a flush returns, which copy-on-write "
              f"filesystems pay on most fsyncs and a real disk never does). Kernel filesystems see it through a loop device "
              f"with `--direct-io=on` and are made and mounted without discard (`mkfs.ext4 -E nodiscard`, `mkfs.xfs -K`, "
