@@ -15,23 +15,36 @@
 //! batch and one flush (group commit).
 //!
 //! On disk, a batch is a header and records, padded to 4 KiB, written after the
-//! previous batch of the same generation; it never rewrites a block an earlier batch
-//! wrote. Replay reads batches from the start of the area while magic, fsid,
-//! generation (the superblock's + 1), sequence and crc32c are right, then checks the
-//! data blocks named by logged checksum items: a batch whose data did not land (its
-//! fsync had not returned) ends the log, with every batch after it.
+//! previous batch; it never rewrites a block an earlier batch of a live generation
+//! wrote. The log area is a ring: a generation's batches start where the superblock's
+//! `log_head` says and follow one another, wrapping to the start of the area when a
+//! batch would not fit before its end. Replay reads batches from `log_head` while
+//! magic, fsid, generation (the superblock's + 1), sequence and crc32c are right, then
+//! checks the data blocks named by logged checksum items: a batch whose data did not
+//! land (its fsync had not returned) ends the log, with every batch after it.
 //!
 //! ```text
-//! batch: magic[8] | csum u32 | nrecords u32 | fsid[16] | generation u64 | seq u64 | payload_len u32 | pad u32
+//! batch: magic[8] | csum u32 | nrecords u32 | fsid[16] | generation u64 | seq u64 | payload_len u32 | flags u32
 //!        records: kind u8, then
 //!          1 insert:  tree u8 | key 17 | len u32 | value
 //!          2 delete:  tree u8 | key 17
 //!          3 dataref: bytenr u64 | len u64 | delta i64
 //! ```
-//! A commit makes every logged change durable in the trees; the next generation's
-//! batches start again at the beginning of the area. Log writes and commit I/O are
-//! serialised (the fs commit lock), so a new generation never overwrites the log of a
-//! generation whose commit is not yet durable.
+//! A commit makes every logged change durable in the trees, and fsyncs go on while it
+//! is written (jbd2's running and committing transactions). When the commit is
+//! prepared, the records not yet in a batch become one last batch of the generation,
+//! flagged `CLOSES`; the next generation's batches follow it. If the commit lands,
+//! replay starts at the next generation (the new superblock's `log_head`); if it does
+//! not, replay reads the old generation to its closing batch and goes on into the
+//! next, which applies on top of it: every operation is in the log, in order, either
+//! way. The ring never overwrites the batches of a generation whose commit is not
+//! durable. Where no closing batch fits (the log overflowed), no batch is written
+//! until the commit is durable, as fsyncs then have nothing else to wait for.
+//!
+//! A crash can leave batches of the superblock's generation + 2 (written after a
+//! closing batch that did not land) beyond where the new log will run; so a writable
+//! mount skips a generation with its first commit, and no stale batch is ever read
+//! as a new one.
 
 use std::collections::{HashMap, HashSet};
 
@@ -52,10 +65,12 @@ struct BatchHeader {
     generation: U64,
     seq: U64,
     payload_len: U32,
-    pad: U32,
+    flags: U32,
 }
 const HEADER: usize = std::mem::size_of::<BatchHeader>();
 const _: () = assert!(HEADER == 56);
+/// Batch flag: the last batch of its generation; the next generation's follow it.
+const CLOSES: u32 = 1;
 
 /// One logged change.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,8 +197,14 @@ pub(crate) struct LogBuffer {
     /// Inodes with records in a batch already written in this generation: their next
     /// fsync logs only what changed since (seed 1's case), counted in stats.
     logged_inos: HashSet<u64>,
-    /// Bytes of the log area used by this generation's batches.
+    /// Ring position (bytes since the area's offset 0, counting every lap) of the
+    /// running generation's first batch.
+    head: u64,
+    /// Ring position where the next batch goes.
     tail: u64,
+    /// Ring position of the oldest batch still needed: the first of the committing
+    /// generation while its commit is in flight, else `head`.
+    live: u64,
     seq: u64,
     /// Capacity of the log area.
     pub(crate) capacity: u64,
@@ -192,11 +213,33 @@ pub(crate) struct LogBuffer {
 }
 
 impl LogBuffer {
-    pub(crate) fn new(capacity: u64) -> LogBuffer {
+    /// An empty log over an area of `capacity` bytes whose next batch goes at `head`.
+    pub(crate) fn new(capacity: u64, head: u64) -> LogBuffer {
         LogBuffer {
             capacity,
+            head,
+            tail: head,
+            live: head,
             ..Default::default()
         }
+    }
+
+    /// Mount found `used` bytes of batches from the head on: the next batches go after
+    /// them, which stay untouched until the next commit is durable.
+    pub(crate) fn skip_found(&mut self, used: u64) {
+        self.head += used;
+        self.tail = self.head;
+    }
+
+    /// Bytes of the area not holding a live batch.
+    fn room(&self) -> u64 {
+        self.capacity.saturating_sub(self.tail - self.live)
+    }
+
+    /// Offset in the area of the running generation's first batch (the superblock's
+    /// `log_head`).
+    pub(crate) fn head_offset(&self) -> u64 {
+        self.head.checked_rem(self.capacity).unwrap_or(0)
     }
 
     /// Records one change of the running transaction.
@@ -215,7 +258,7 @@ impl LogBuffer {
         }
         op.encode(&mut self.pending);
         self.pending_records += 1;
-        if (HEADER + self.pending.len()) as u64 > self.capacity.saturating_sub(self.tail) {
+        if (HEADER + self.pending.len()) as u64 > self.room() {
             // Keeping more would only use memory: the next fsync commits instead.
             self.overflow = true;
             self.pending = Vec::new();
@@ -246,7 +289,7 @@ impl LogBuffer {
 
     /// Whether the area is over half used: time to commit, before an fsync has to.
     pub(crate) fn wants_commit(&self) -> bool {
-        self.overflow || self.tail > self.capacity / 2
+        self.overflow || self.tail - self.head > self.capacity / 2
     }
 
     /// Whether `ino` already went to the log in this generation.
@@ -256,15 +299,30 @@ impl LogBuffer {
 
     /// Takes every pending record as one batch; `None` if the log cannot hold it.
     pub(crate) fn take_batch(&mut self, fsid: &[u8; 16], generation: u64) -> Option<Batch> {
+        self.take(fsid, generation, 0)
+    }
+
+    /// Where a batch of `padded` bytes goes: after the last, or at the start of the
+    /// area when it would not fit before its end; `None` if that reaches a live batch.
+    fn place(&self, padded: u64) -> Option<u64> {
+        let mut at = self.tail;
+        let off = at % self.capacity.max(1);
+        if off + padded > self.capacity {
+            at += self.capacity - off;
+        }
+        (at + padded - self.live <= self.capacity).then_some(at)
+    }
+
+    fn take(&mut self, fsid: &[u8; 16], generation: u64, flags: u32) -> Option<Batch> {
         if self.overflow {
             return None;
         }
         let len = (HEADER + self.pending.len()) as u64;
         let padded = len.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
-        if self.tail + padded > self.capacity {
+        let Some(at) = self.place(padded) else {
             self.overflow = true;
             return None;
-        }
+        };
         let payload = std::mem::take(&mut self.pending);
         let mut h = BatchHeader {
             magic: LOG_MAGIC,
@@ -274,7 +332,7 @@ impl LogBuffer {
             generation: generation.into(),
             seq: self.seq.into(),
             payload_len: (payload.len() as u32).into(),
-            pad: 0.into(),
+            flags: flags.into(),
         };
         let mut c = crc32c::crc32c(&h.as_bytes()[12..]);
         c = crc32c::crc32c_append(c, &payload);
@@ -285,10 +343,10 @@ impl LogBuffer {
         buf.resize(padded as usize, 0);
         let b = Batch {
             buf,
-            offset: self.tail,
+            offset: at % self.capacity,
             end_lsn: self.next_lsn,
         };
-        self.tail += padded;
+        self.tail = at + padded;
         self.seq += 1;
         self.pending_records = 0;
         let inos = std::mem::take(&mut self.pending_inos);
@@ -296,16 +354,32 @@ impl LogBuffer {
         Some(b)
     }
 
-    /// A commit is being prepared: everything recorded so far is in it.
-    pub(crate) fn commit_started(&mut self) {
+    /// A commit of `generation` is being prepared: everything recorded so far is in it,
+    /// and the next generation's batches start after this one's. With `chain`, returns
+    /// the batch that closes this generation's log (the records not yet in a batch),
+    /// to be written before any batch of the next: those may then be written, and
+    /// count, while the commit is in flight. `None` (no room, or not asked): no batch
+    /// may be written before the commit is durable.
+    pub(crate) fn commit_started(
+        &mut self,
+        fsid: &[u8; 16],
+        generation: u64,
+        chain: bool,
+    ) -> Option<Batch> {
+        let closing = if chain && self.enabled {
+            self.take(fsid, generation, CLOSES)
+        } else {
+            None
+        };
         self.pending.clear();
         self.pending_inos.clear();
         self.logged_inos.clear();
         self.pending_records = 0;
         self.committing_lsn = self.next_lsn;
-        self.tail = 0;
+        self.head = self.tail;
         self.seq = 0;
         self.overflow = false;
+        closing
     }
 
     /// The commit is durable.
@@ -314,6 +388,7 @@ impl LogBuffer {
         let d = self.durable_lsn;
         self.last.retain(|_, l| *l > d);
         self.last_data.retain(|_, l| *l > d);
+        self.live = self.head;
     }
 
     /// A batch is durable.
@@ -322,10 +397,32 @@ impl LogBuffer {
     }
 }
 
-/// Whether a log area whose first block is `first` holds batches of `generation`: only
-/// then is the rest worth reading.
-pub(crate) fn starts_a_log(first: &[u8], fsid: &[u8; 16], generation: u64) -> bool {
-    BatchHeader::read_from_prefix(first).is_ok_and(|(h, _)| h.names(fsid, generation, 0))
+/// The batches of one generation read from a log area.
+#[derive(Debug, Default)]
+pub(crate) struct Parsed {
+    /// The records of each batch, in order.
+    pub(crate) batches: Vec<Vec<LogOp>>,
+    /// Offset in the area just past the last batch.
+    pub(crate) end: u64,
+    /// Bytes of the ring from the start to `end` (with the end of the area a batch
+    /// wrapped over).
+    pub(crate) used: u64,
+    /// The last batch closes its generation: the next generation's batches follow.
+    pub(crate) closed: bool,
+}
+
+/// Whether the log area image `area` may hold a batch of `generation` starting at
+/// `head`: only then is the rest worth reading. `area` needs only the blocks at `head`
+/// and at 0 (where a batch goes when it does not fit before the end).
+pub(crate) fn starts_a_log(
+    block_at_head: &[u8],
+    block_at_zero: &[u8],
+    fsid: &[u8; 16],
+    generation: u64,
+) -> bool {
+    [block_at_head, block_at_zero]
+        .iter()
+        .any(|b| BatchHeader::read_from_prefix(b).is_ok_and(|(h, _)| h.names(fsid, generation, 0)))
 }
 
 impl BatchHeader {
@@ -339,30 +436,56 @@ impl BatchHeader {
     }
 }
 
-/// Parses the batches of `generation` in a log area image, in order, stopping at the
-/// first that is not whole; returns the records of each batch.
-pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64) -> Vec<Vec<LogOp>> {
-    let mut batches = Vec::new();
-    let mut off = 0usize;
+/// The header of batch `seq` of `generation` at `off` of `area`, if one is there.
+fn header_at(
+    area: &[u8],
+    off: usize,
+    fsid: &[u8; 16],
+    generation: u64,
+    seq: u64,
+) -> Option<BatchHeader> {
+    let (h, _) = BatchHeader::read_from_prefix(area.get(off..)?).ok()?;
+    h.names(fsid, generation, seq).then_some(h)
+}
+
+/// Parses the batches of `generation` in a log area image from offset `start`, in
+/// order, following them around the end of the area, and stopping at the first that
+/// is not whole.
+pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64, start: u64) -> Parsed {
+    let cap = area.len();
+    let mut out = Parsed {
+        end: start,
+        ..Default::default()
+    };
+    let mut off = start as usize;
     let mut seq = 0u64;
-    while off + HEADER <= area.len() {
-        let Ok((h, _)) = BatchHeader::read_from_prefix(&area[off..]) else {
-            break;
+    // A generation's batches span at most one lap of the ring.
+    let mut walked = 0usize;
+    loop {
+        // A batch that did not fit before the end of the area went to its start; a
+        // batch of this generation and sequence is nowhere else.
+        let (at, h) = match header_at(area, off, fsid, generation, seq) {
+            Some(h) => (off, h),
+            None if off != 0 => match header_at(area, 0, fsid, generation, seq) {
+                Some(h) => (0, h),
+                None => break,
+            },
+            None => break,
         };
-        if !h.names(fsid, generation, seq) {
+        let plen = h.payload_len.get() as usize;
+        let padded = (HEADER + plen).div_ceil(BLOCK_SIZE as usize) * BLOCK_SIZE as usize;
+        walked += padded + if at == off { 0 } else { cap - off };
+        if at + padded > cap || walked > cap {
             break;
         }
-        let plen = h.payload_len.get() as usize;
-        let Some(payload) = area.get(off + HEADER..off + HEADER + plen) else {
-            break;
-        };
+        let payload = &area[at + HEADER..at + HEADER + plen];
         let mut c = crc32c::crc32c(&h.as_bytes()[12..]);
         c = crc32c::crc32c_append(c, payload);
         if c != h.csum.get() {
             break;
         }
         let mut r = Reader::new(payload);
-        let mut ops = Vec::with_capacity(h.nrecords.get() as usize);
+        let mut ops = Vec::with_capacity(h.nrecords.get().min(1 << 20) as usize);
         let mut ok = true;
         for _ in 0..h.nrecords.get() {
             match LogOp::decode(&mut r) {
@@ -376,11 +499,17 @@ pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64) -> Vec<Vec<Lo
         if !ok || !r.is_empty() {
             break;
         }
-        batches.push(ops);
-        off += (HEADER + plen).div_ceil(BLOCK_SIZE as usize) * BLOCK_SIZE as usize;
+        out.batches.push(ops);
+        off = (at + padded) % cap;
+        out.end = off as u64;
+        out.used = walked as u64;
+        out.closed = h.flags.get() & CLOSES != 0;
         seq += 1;
+        if out.closed {
+            break;
+        }
     }
-    batches
+    out
 }
 
 /// Whether every data block a batch's checksum items describe holds that data.
@@ -426,10 +555,15 @@ mod tests {
         });
     }
 
+    /// Writes `b` into the area image.
+    fn put(area: &mut [u8], b: &Batch) {
+        area[b.offset as usize..b.offset as usize + b.buf.len()].copy_from_slice(&b.buf);
+    }
+
     #[test]
     fn batches_roundtrip_in_order_and_stop_at_damage() {
         let fsid = [9; 16];
-        let mut l = LogBuffer::new(1 << 20);
+        let mut l = LogBuffer::new(1 << 20, 0);
         l.enabled = true;
         sample(&mut l);
         assert_eq!(l.target(300, false), Some(1));
@@ -449,32 +583,42 @@ mod tests {
             "a batch never rewrites an earlier one's block"
         );
         let mut area = vec![0u8; 1 << 20];
-        area[..b1.buf.len()].copy_from_slice(&b1.buf);
-        area[b2.offset as usize..b2.offset as usize + b2.buf.len()].copy_from_slice(&b2.buf);
-        let got = parse(&area, &fsid, 7);
-        assert_eq!(got.len(), 2);
-        assert_eq!(got[0].len(), 3);
-        assert!(matches!(got[0][2], LogOp::DataRef { delta: -1, .. }));
-        assert!(parse(&area, &fsid, 8).is_empty(), "other generation");
-        assert!(parse(&area, &[1; 16], 7).is_empty(), "other filesystem");
+        put(&mut area, &b1);
+        put(&mut area, &b2);
+        let got = parse(&area, &fsid, 7, 0);
+        assert_eq!(got.batches.len(), 2);
+        assert_eq!(got.batches[0].len(), 3);
+        assert!(matches!(
+            got.batches[0][2],
+            LogOp::DataRef { delta: -1, .. }
+        ));
+        assert_eq!((got.end, got.used, got.closed), (8192, 8192, false));
+        assert!(
+            parse(&area, &fsid, 8, 0).batches.is_empty(),
+            "other generation"
+        );
+        assert!(
+            parse(&area, &[1; 16], 7, 0).batches.is_empty(),
+            "other filesystem"
+        );
         let mut torn = area.clone();
         torn[b2.offset as usize + 60] ^= 1;
         assert_eq!(
-            parse(&torn, &fsid, 7).len(),
+            parse(&torn, &fsid, 7, 0).batches.len(),
             1,
             "damaged second batch ends the log"
         );
         let mut first = area.clone();
         first[70] ^= 1;
         assert!(
-            parse(&first, &fsid, 7).is_empty(),
+            parse(&first, &fsid, 7, 0).batches.is_empty(),
             "damaged first batch: nothing after it counts"
         );
     }
 
     #[test]
     fn overflow_and_commit_reset() {
-        let mut l = LogBuffer::new(8192);
+        let mut l = LogBuffer::new(8192, 0);
         l.enabled = true;
         for i in 0..200 {
             l.record(LogOp::Insert {
@@ -485,7 +629,10 @@ mod tests {
         }
         assert!(l.overflow);
         assert!(l.take_batch(&[0; 16], 1).is_none());
-        l.commit_started();
+        assert!(
+            l.commit_started(&[0; 16], 1, true).is_none(),
+            "an overflowed log has no closing batch"
+        );
         assert!(!l.overflow);
         assert!(
             l.target(300, false).is_some(),
@@ -493,5 +640,92 @@ mod tests {
         );
         l.commit_done();
         assert_eq!(l.target(300, false), None);
+    }
+
+    /// A commit closes the log of its generation with one batch; the next
+    /// generation's batches follow it, wrap around the end of the area, and never
+    /// reach the closed generation's batches before its commit is done.
+    #[test]
+    fn commits_chain_generations_around_the_ring() {
+        let fsid = [3; 16];
+        let cap = 8 * 4096;
+        let mut l = LogBuffer::new(cap, 5 * 4096);
+        l.enabled = true;
+        let mut area = vec![0u8; cap as usize];
+        let rec = |l: &mut LogBuffer, ino: u64| {
+            l.record(LogOp::Insert {
+                tree: tree::FS,
+                key: Key::new(ino, 1, 0),
+                val: vec![ino as u8; 10],
+            })
+        };
+        rec(&mut l, 300);
+        let b = l.take_batch(&fsid, 4).unwrap();
+        assert_eq!(b.offset, 5 * 4096);
+        put(&mut area, &b);
+        rec(&mut l, 301);
+        let close = l.commit_started(&fsid, 4, true).unwrap();
+        assert_eq!(close.offset, 6 * 4096);
+        put(&mut area, &close);
+        assert_eq!(l.head_offset(), 7 * 4096, "the next generation follows");
+        // Generation 5, while commit 4 is in flight: 7, then around to 0, 1, 2, 3, 4.
+        let mut offs = Vec::new();
+        for i in 0..6 {
+            rec(&mut l, 400 + i);
+            let b = l.take_batch(&fsid, 5).unwrap();
+            offs.push(b.offset / 4096);
+            put(&mut area, &b);
+        }
+        assert_eq!(offs, [7, 0, 1, 2, 3, 4]);
+        rec(&mut l, 500);
+        assert!(
+            l.take_batch(&fsid, 5).is_none(),
+            "the area is full up to the committing generation's first batch"
+        );
+        let old = parse(&area, &fsid, 4, 5 * 4096);
+        assert_eq!(old.batches.len(), 2);
+        assert!(old.closed);
+        assert_eq!(old.end, 7 * 4096);
+        let next = parse(&area, &fsid, 5, old.end);
+        assert_eq!(next.batches.len(), 6, "read across the end of the area");
+        assert_eq!(next.used, 6 * 4096);
+        assert!(!next.closed);
+        // Once commit 4 is durable its batches' room is free again.
+        l.commit_done();
+        l.overflow = false;
+        rec(&mut l, 501);
+        let b = l.take_batch(&fsid, 5).unwrap();
+        assert_eq!(b.offset, 5 * 4096);
+    }
+
+    /// A batch that does not fit before the end of the area goes to its start, and
+    /// replay finds it there.
+    #[test]
+    fn a_batch_that_does_not_fit_wraps_to_the_start() {
+        let fsid = [4; 16];
+        let cap = 6 * 4096;
+        let mut l = LogBuffer::new(cap, 5 * 4096);
+        l.enabled = true;
+        l.record(LogOp::Insert {
+            tree: tree::FS,
+            key: Key::new(300, 1, 0),
+            val: vec![1; 5000],
+        });
+        let b = l.take_batch(&fsid, 2).unwrap();
+        assert_eq!((b.offset, b.buf.len()), (0, 8192));
+        let mut area = vec![0u8; cap as usize];
+        // A stale batch of another generation where the batch did not fit.
+        let mut other = LogBuffer::new(cap, 5 * 4096);
+        other.enabled = true;
+        other.record(LogOp::Delete {
+            tree: tree::FS,
+            key: Key::new(300, 1, 0),
+        });
+        put(&mut area, &other.take_batch(&fsid, 1).unwrap());
+        put(&mut area, &b);
+        let got = parse(&area, &fsid, 2, 5 * 4096);
+        assert_eq!(got.batches.len(), 1);
+        assert_eq!((got.end, got.used), (8192, 3 * 4096));
+        assert_eq!(parse(&area, &fsid, 1, 5 * 4096).batches.len(), 1);
     }
 }

@@ -37,8 +37,8 @@ use crate::error::{Error, Result};
 use crate::format::{
     decode_node, encode_node, kind, objectid, root_flag, tree, ExtentItem, FileExtent, Key,
     NodeBody, NodeHeader, RootItem, SnapshotItem, SnapshotMeta, Superblock, Timespec,
-    DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE, LOG_START,
-    MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
+    DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE, INCOMPAT_LOG_RING,
+    LOG_START, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
 };
 use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
@@ -70,6 +70,8 @@ pub(crate) struct Store {
     pub(crate) log: LogBuffer,
     /// Set when a commit failed: the trees in memory are ahead of the disk for good.
     pub(crate) failed: bool,
+    /// The next commit writes a superblock even if nothing else changed.
+    pub(crate) must_commit: bool,
     /// Live snapshots by tree id.
     pub(crate) snapshots: BTreeMap<u64, SnapshotItem>,
     /// Names of snapshots the next commit takes.
@@ -90,6 +92,9 @@ pub(crate) struct CommitBatch {
     supers: Vec<(u64, Vec<u8>)>,
     pinned: Vec<(u64, u64)>,
     generation: u64,
+    /// The batch that closes the committed generation's log, to write before any
+    /// batch of the next (see `LogBuffer::commit_started`).
+    pub(crate) closing: Option<crate::log::Batch>,
 }
 
 fn random_fsid() -> [u8; 16] {
@@ -143,7 +148,7 @@ impl Store {
         }
         let log_len = log_len_for(size);
         let sb = Superblock {
-            incompat: INCOMPAT_BASE,
+            incompat: INCOMPAT_BASE | INCOMPAT_LOG_RING,
             compat: 0,
             fsid: random_fsid(),
             generation: 0,
@@ -155,6 +160,7 @@ impl Store {
             log_start: LOG_START,
             log_len,
             bytes_used: 0,
+            log_head: 0,
         };
         let alloc = Allocator::new(
             LOG_START + log_len,
@@ -197,8 +203,9 @@ impl Store {
             roots: BTreeMap::new(),
             written_roots: BTreeMap::new(),
             readonly: false,
-            log: LogBuffer::new(0),
+            log: LogBuffer::new(0, 0),
             failed: false,
+            must_commit: false,
             snapshots: BTreeMap::new(),
             pending_snapshots: Vec::new(),
             dead: BTreeMap::new(),
@@ -259,7 +266,7 @@ impl Store {
         let gen = sb.generation + 1;
         let mut s = Store::with(dev, sb.clone(), alloc, gen);
         s.readonly = readonly;
-        s.log = LogBuffer::new(sb.log_len);
+        s.log = LogBuffer::new(sb.log_len, sb.log_head);
         let root = Root {
             addr: sb.root_tree,
             level: sb.root_level,
@@ -439,7 +446,8 @@ impl Store {
 
     /// Whether the running transaction changed anything.
     pub(crate) fn has_changes(&self) -> bool {
-        !self.dirty.is_empty()
+        self.must_commit
+            || !self.dirty.is_empty()
             || !self.refs.is_empty()
             || self.roots != self.written_roots
             || !self.pending_snapshots.is_empty()
@@ -523,9 +531,14 @@ impl Store {
         }
     }
 
-    pub(crate) fn prepare_commit(&mut self) -> Result<CommitBatch> {
+    /// Prepares the commit of the running transaction: settles the trees, encodes
+    /// every dirty node and the superblocks, and starts the next generation; with
+    /// `chain`, the next generation's log batches may go out before this commit lands
+    /// (see `LogBuffer::commit_started`).
+    pub(crate) fn prepare_commit(&mut self, chain: bool) -> Result<CommitBatch> {
         self.writable()?;
-        self.log.commit_started();
+        let fsid = self.sb.fsid;
+        let closing = self.log.commit_started(&fsid, self.generation, chain);
         // What commit itself changes (freed checksums, root items) is not logged.
         let logging = std::mem::replace(&mut self.log.enabled, false);
         let r = self
@@ -542,6 +555,7 @@ impl Store {
             self.failed = true;
             return Err(e);
         }
+        self.must_commit = false;
         let root = self.root(tree::ROOT);
         self.written_roots.insert(tree::ROOT, root);
         let node_size = self.sb.node_size as usize;
@@ -554,6 +568,8 @@ impl Store {
         self.sb.root_tree = root.addr;
         self.sb.root_level = root.level;
         self.sb.bytes_used = self.bytes_used;
+        self.sb.log_head = self.log.head_offset();
+        self.sb.incompat |= INCOMPAT_LOG_RING;
         let supers = super_holes(self.sb.total_bytes)
             .into_iter()
             .map(|(off, _)| (off, self.sb.encode(off)))
@@ -564,6 +580,7 @@ impl Store {
             supers,
             pinned: self.alloc.take_pinned(),
             generation: self.sb.generation,
+            closing,
         })
     }
 
@@ -605,7 +622,7 @@ impl Store {
         Ok(())
     }
 
-    /// Writes one log batch and flushes. No lock is held.
+    /// Writes one log batch (no flush). No lock is held.
     pub(crate) fn write_log(
         dev: &dyn BlockDev,
         stats: &Stats,

@@ -1108,3 +1108,312 @@ fn concurrent_fsyncs_survive_every_flush_point() {
         }
     }
 }
+
+/// A device that stops a flush called from the thread named `committer` until the
+/// test opens the gate: a commit held in flight between its node writes and its
+/// superblocks.
+struct GateDev {
+    inner: Arc<CrashDev>,
+    open: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+    /// Set when a committer's flush is waiting at the gate.
+    waiting: std::sync::atomic::AtomicBool,
+}
+
+impl GateDev {
+    fn release(&self) {
+        *self.open.lock().unwrap() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl birchfs::dev::BlockDev for GateDev {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        self.inner.read_at(buf, off)
+    }
+    fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, off)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        if std::thread::current().name() == Some("committer") {
+            self.waiting
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let mut open = self.open.lock().unwrap();
+            while !*open {
+                open = self.cv.wait(open).unwrap();
+            }
+        }
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+}
+
+/// fsync does not wait for a commit in flight: while a commit is held between its
+/// node writes and its superblocks, a write and its fsync complete, and a power cut
+/// at that moment (the commit never lands) keeps what the fsync made durable, also
+/// after a second crash during the mount that replays it. (Before the log's ring, the
+/// fsync waited for the whole commit.)
+#[test]
+fn an_fsync_completes_and_survives_while_a_commit_is_in_flight() {
+    let crash = Arc::new(CrashDev::new(base_image()));
+    let gate = Arc::new(GateDev {
+        inner: crash.clone(),
+        open: std::sync::Mutex::new(false),
+        cv: std::sync::Condvar::new(),
+        waiting: std::sync::atomic::AtomicBool::new(false),
+    });
+    let fs = Arc::new(
+        Fs::open(
+            gate.clone(),
+            Options {
+                commit_interval: std::time::Duration::ZERO,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let c = Creds::default();
+    let a = fs.mknod(birchfs::ROOT_INO, b"a", 0o644, 0, c).unwrap().ino;
+    fs.write(a, 0, &[1; 10_000]).unwrap();
+    fs.fsync(a, false).unwrap();
+    // Records not yet in a batch when the commit starts: its closing batch holds them.
+    let b = fs.mknod(birchfs::ROOT_INO, b"b", 0o644, 0, c).unwrap().ino;
+    fs.write(b, 0, &[2; 5000]).unwrap();
+    fs.write(a, 0, &[3; 100]).unwrap();
+    let committer = {
+        let fs = fs.clone();
+        std::thread::Builder::new()
+            .name("committer".into())
+            .spawn(move || fs.commit())
+            .unwrap()
+    };
+    while !gate.waiting.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // The commit is in flight. New changes, fsynced from another thread.
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let fs = fs.clone();
+        std::thread::spawn(move || {
+            let r = (|| {
+                let d = fs.mkdir(birchfs::ROOT_INO, b"d", 0o755, c)?.ino;
+                let f = fs.mknod(d, b"f", 0o644, 0, c)?.ino;
+                fs.write(f, 0, &[4; 7000])?;
+                fs.fsync(f, false)?;
+                fs.write(b, 4096, &[5; 100])?;
+                fs.fsync(b, true)
+            })();
+            tx.send(r).unwrap();
+        });
+    }
+    let r = rx.recv_timeout(std::time::Duration::from_secs(20));
+    let at = crash.op_count();
+    gate.release();
+    committer.join().unwrap().unwrap();
+    assert!(
+        matches!(r, Ok(Ok(()))),
+        "fsync during a commit in flight did not complete: {r:?}"
+    );
+    drop(fs);
+    let expect = |fs: &Fs, what: &str| {
+        let a = fs
+            .resolve("/a")
+            .unwrap_or_else(|e| panic!("{what}: /a: {e}"));
+        let mut want_a = vec![1u8; 10_000];
+        want_a[..100].fill(3);
+        assert_eq!(fs.read(a.ino, 0, 20_000).unwrap(), want_a, "{what}: /a");
+        let f = fs
+            .resolve("/d/f")
+            .unwrap_or_else(|e| panic!("{what}: /d/f: {e}"));
+        assert_eq!(
+            fs.read(f.ino, 0, 20_000).unwrap(),
+            vec![4u8; 7000],
+            "{what}: /d/f"
+        );
+        let b = fs
+            .resolve("/b")
+            .unwrap_or_else(|e| panic!("{what}: /b: {e}"));
+        let mut want_b = vec![2u8; 5000];
+        want_b[4096..4196].fill(5);
+        assert_eq!(fs.read(b.ino, 0, 20_000).unwrap(), want_b, "{what}: /b");
+    };
+    // The power cut: everything written so far landed, the superblocks did not.
+    let img = crash.image_with(at, &[]);
+    let rep = birchfs::check::check(&MemDev::from_image(img.clone())).unwrap();
+    assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+    let again = Arc::new(CrashDev::new(img.clone()));
+    let fs = Fs::open(again.clone(), Options::default()).unwrap();
+    expect(&fs, "after the cut");
+    drop(fs);
+    // A second cut at every flush point of that mount (and unmount).
+    let mut points = again.flush_points();
+    points.push(again.op_count());
+    assert!(!points.is_empty());
+    for p in points {
+        let img = again.image_with(p, &[]);
+        let rep = birchfs::check::check(&MemDev::from_image(img.clone())).unwrap();
+        assert!(
+            rep.problems.is_empty(),
+            "cut at {p} of the replay: {:#?}",
+            rep.problems
+        );
+        let fs = Fs::open(Arc::new(MemDev::from_image(img)), Options::default()).unwrap();
+        expect(&fs, &format!("cut at {p} of the replay"));
+    }
+}
+
+/// Whether `got` is what a file may hold after a crash, given `versions`: the version
+/// its last returned fsync promised, then every later one. Writes after that fsync may
+/// be there in part (a commit takes what is written back at its start), and a later
+/// size may be there before its data (a commit records the size of a write whose data
+/// is still cached: zeros past the promised version's end); what the promised version
+/// holds is never older.
+fn holds(versions: &[Vec<u8>], got: &[u8]) -> bool {
+    if versions.iter().any(|v| v == got) {
+        return true;
+    }
+    let promised_len = versions[0].len();
+    versions.iter().any(|v| v.len() == got.len())
+        && got.iter().enumerate().all(|(i, b)| {
+            versions.iter().any(|v| v.get(i) == Some(b)) || (*b == 0 && i >= promised_len)
+        })
+}
+
+/// Writers fsync their own files while another thread commits over and over, so log
+/// batches are written while commits are in flight and the log wraps around its area.
+/// At every flush point, and for random subsets of the writes between two (the device
+/// may reorder them), each file holds the version of its last fsync that had returned
+/// by then, or a later one; a second cut during the mount that replays changes nothing.
+#[test]
+fn fsyncs_and_commits_together_survive_every_power_cut() {
+    const THREADS: usize = 3;
+    let rounds = if long() { 200 } else { 70 };
+    let dev = Arc::new(CrashDev::new(base_image()));
+    let fs = Arc::new(
+        Fs::open(
+            dev.clone(),
+            Options {
+                commit_interval: std::time::Duration::ZERO,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let inos: Vec<u64> = (0..THREADS)
+        .map(|t| {
+            fs.mknod(
+                birchfs::ROOT_INO,
+                format!("f{t}").as_bytes(),
+                0o644,
+                0,
+                Creds::default(),
+            )
+            .unwrap()
+            .ino
+        })
+        .collect();
+    fs.commit().unwrap();
+    let start = dev.op_count();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    type Record = (Vec<Vec<u8>>, Vec<(usize, usize)>);
+    let results: Vec<Record> = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                fs.commit().unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(300));
+            }
+        });
+        let hs: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (fs, dev, ino) = (fs.clone(), dev.clone(), inos[t]);
+                sc.spawn(move || {
+                    let mut rng = StdRng::seed_from_u64(t as u64 + 7);
+                    let mut data = Vec::new();
+                    let mut versions = vec![Vec::new()];
+                    let mut promises = Vec::new();
+                    for r in 0..rounds {
+                        let off = rng.gen_range(0..40_000usize);
+                        let len = rng.gen_range(1..9_000usize);
+                        let byte = 1 + ((t * rounds + r) % 255) as u8;
+                        fs.write(ino, off as u64, &vec![byte; len]).unwrap();
+                        if data.len() < off + len {
+                            data.resize(off + len, 0);
+                        }
+                        data[off..off + len].fill(byte);
+                        versions.push(data.clone());
+                        fs.fsync(ino, rng.gen_bool(0.5)).unwrap();
+                        promises.push((dev.op_count(), versions.len() - 1));
+                        // Leave the committer room to run between fsyncs.
+                        std::thread::sleep(std::time::Duration::from_micros(200));
+                    }
+                    (versions, promises)
+                })
+            })
+            .collect();
+        let r = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        r
+    });
+    let st = fs.stats();
+    drop(fs);
+    assert!(st.commits > 5, "few commits: {}", st.commits);
+    let check_at = |img: Vec<u8>, p: usize, what: &str| {
+        let rep = birchfs::check::check(&MemDev::from_image(img.clone())).unwrap();
+        assert!(rep.problems.is_empty(), "{what}: {:#?}", rep.problems);
+        let fs = Fs::open(Arc::new(MemDev::from_image(img)), Options::default())
+            .unwrap_or_else(|e| panic!("{what}: mount: {e}"));
+        for (t, (versions, promises)) in results.iter().enumerate() {
+            let promised = promises
+                .iter()
+                .filter(|(ops, _)| *ops <= p)
+                .map(|&(_, v)| v)
+                .max()
+                .unwrap_or(0);
+            let got = fs.read(inos[t], 0, 100_000).unwrap();
+            assert!(
+                holds(&versions[promised..], &got),
+                "{what}: file {t} ({} bytes) is not version {promised} or later",
+                got.len()
+            );
+        }
+    };
+    let ops = dev.ops();
+    let points: Vec<usize> = dev
+        .flush_points()
+        .into_iter()
+        .filter(|&p| p >= start)
+        .collect();
+    assert!(points.len() >= rounds, "few flushes: {}", points.len());
+    let mut rng = StdRng::seed_from_u64(42);
+    for (i, &p) in points.iter().enumerate() {
+        check_at(dev.image_with(p, &[]), p, &format!("flush point {p}"));
+        let end = points.get(i + 1).map(|e| e - 1).unwrap_or(ops.len());
+        let tail: Vec<(u64, &[u8])> = ops[p..end]
+            .iter()
+            .filter_map(|o| match o {
+                CrashOp::Write { off, data } => Some((*off, data.as_slice())),
+                CrashOp::Flush => None,
+            })
+            .collect();
+        if !tail.is_empty() {
+            let pick: Vec<(u64, &[u8])> =
+                tail.iter().copied().filter(|_| rng.gen_bool(0.5)).collect();
+            let img = dev.image_with(p, &pick);
+            check_at(img.clone(), p, &format!("subset after {p}"));
+            if i % 8 == 0 {
+                // A second cut while mounting that image.
+                let again = Arc::new(CrashDev::new(img));
+                drop(Fs::open(again.clone(), Options::default()).unwrap());
+                for q in again.flush_points() {
+                    check_at(
+                        again.image_with(q, &[]),
+                        p,
+                        &format!("subset after {p}, then a cut at {q} of its mount"),
+                    );
+                }
+            }
+        }
+    }
+}

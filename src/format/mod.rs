@@ -50,9 +50,13 @@ pub const MAX_EXTENT_SIZE: u64 = 1 << 20;
 pub const MAX_FILE_SIZE: u64 = 1 << 50;
 
 /// Incompatible feature flags this build understands; any other bit refuses the image.
-pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE;
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE | INCOMPAT_LOG_RING;
 /// Base v1 format: CoW trees, extent refcounts, crc32c checksums, reserved log area.
 pub const INCOMPAT_BASE: u64 = 1;
+/// The log area is a ring: a generation's batches start at the superblock's
+/// `log_head`, and a batch flagged as closing its generation is followed by the next
+/// generation's (see `log`).
+pub const INCOMPAT_LOG_RING: u64 = 2;
 
 /// Tree ids (objectids of ROOT_ITEMs in the root tree).
 pub mod tree {

@@ -5,7 +5,11 @@
 //! |csum|magic |incompat   |compat     |fsid |generation|own_addr   |total_bytes|
 //! 68        72        76         84         85  92          100       108
 //! |blocksize|nodesize |root_tree |root_level|pad|log_start  |log_len  |bytes_used|
+//! 116       124
+//! |log_head |
 //! ```
+//! `log_head` (where in the log area the next generation's batches start) is read
+//! as 0 from images written before it existed; writing it sets `INCOMPAT_LOG_RING`.
 //! crc32c covers bytes 4..4096 of the 4 KiB superblock block.
 
 use zerocopy::little_endian::{U32, U64};
@@ -36,8 +40,9 @@ struct SuperDisk {
     log_start: U64,
     log_len: U64,
     bytes_used: U64,
+    log_head: U64,
 }
-const _: () = assert!(std::mem::size_of::<SuperDisk>() == 116);
+const _: () = assert!(std::mem::size_of::<SuperDisk>() == 124);
 
 /// The decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,6 +71,8 @@ pub struct Superblock {
     pub log_len: u64,
     /// Bytes allocated at the time of the commit.
     pub bytes_used: u64,
+    /// Offset in the log area of the first batch of the generation after this one.
+    pub log_head: u64,
 }
 
 impl Superblock {
@@ -88,6 +95,7 @@ impl Superblock {
             log_start: self.log_start.into(),
             log_len: self.log_len.into(),
             bytes_used: self.bytes_used.into(),
+            log_head: self.log_head.into(),
         };
         let mut buf = vec![0u8; SUPER_SIZE];
         buf[..std::mem::size_of::<SuperDisk>()].copy_from_slice(d.as_bytes());
@@ -131,6 +139,7 @@ impl Superblock {
             log_start: d.log_start.get(),
             log_len: d.log_len.get(),
             bytes_used: d.bytes_used.get(),
+            log_head: d.log_head.get(),
         };
         if sb.block_size as u64 != super::BLOCK_SIZE
             || !sb.node_size.is_power_of_two()
@@ -152,6 +161,8 @@ impl Superblock {
             || sb.root_tree.saturating_add(sb.node_size as u64) > sb.total_bytes
             || sb.root_level > 8
             || sb.bytes_used > sb.total_bytes
+            || sb.log_head % super::BLOCK_SIZE != 0
+            || (sb.log_head != 0 && sb.log_head >= sb.log_len)
         {
             return Err(bad("fields out of range"));
         }
@@ -177,6 +188,7 @@ mod tests {
             log_start: 1 << 20,
             log_len: 1 << 24,
             bytes_used: 12345,
+            log_head: 8192,
         }
     }
 
@@ -189,7 +201,9 @@ mod tests {
 
     #[test]
     fn well_checksummed_but_hostile_fields_are_refused() {
-        let cases: [fn(&mut Superblock); 6] = [
+        let cases: [fn(&mut Superblock); 8] = [
+            |s| s.log_head = 1 << 24,
+            |s| s.log_head = 100,
             |s| s.log_len = 1 << 40,
             |s| s.log_len = 4095,
             |s| s.total_bytes = 1 << 20,

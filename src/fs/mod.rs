@@ -1,6 +1,7 @@
 //! The filesystem: namespace, inodes, files and extended attributes, over the trees.
 //!
-//! Lock order: a file's lock (sharded `file_locks`), then `commit_lock`, then `inner`.
+//! Lock order: a file's lock (sharded `file_locks`), then `commit_lock`, then
+//! `log_lock`, then `inner`.
 //! `inner` is never held across a commit's device I/O (see `txn`), nor across the data
 //! I/O of reads and writes: lookups, reads and writes go on while a commit flushes, and
 //! reads and writes of different files go on together.
@@ -168,7 +169,10 @@ pub struct Fs {
     fill_locks: Vec<Mutex<()>>,
     cache: Arc<PageCache>,
     pub(crate) inner: Mutex<Inner>,
+    /// One commit at a time.
     commit_lock: Mutex<()>,
+    /// Log batches are taken and written in order under it (flushes go without it).
+    log_lock: Mutex<()>,
     dev: Arc<dyn BlockDev>,
     stats: Arc<Stats>,
     opts: Options,
@@ -207,7 +211,7 @@ impl Fs {
             })),
         };
         inner.make_root_dir()?;
-        let batch = inner.store.prepare_commit()?;
+        let batch = inner.store.prepare_commit(false)?;
         Store::write_commit(dev.as_ref(), &inner.store.stats, &batch)?;
         Ok(())
     }
@@ -226,7 +230,7 @@ impl Fs {
             maps: Default::default(),
             cache: cache.clone(),
         };
-        let replayed = inner.replay_log()?;
+        inner.replay_log()?;
         inner.store.log.enabled = !opts.readonly;
         inner.next_ino = inner.find_next_ino()?;
         let fs = Fs {
@@ -236,6 +240,7 @@ impl Fs {
             cache,
             inner: Mutex::new(inner),
             commit_lock: Mutex::new(()),
+            log_lock: Mutex::new(()),
             dev,
             stats,
             opts,
@@ -252,9 +257,20 @@ impl Fs {
             if n > 0 {
                 tracing::info!("freed {n} orphan inodes");
             }
-            if n > 0 || replayed > 0 {
-                fs.commit()?;
+            // A crash can leave batches of the next two generations in the log area
+            // (see `log`): the first commit skips a generation, so that none of them is
+            // ever read as a batch of the new log. Nothing else runs until it lands.
+            {
+                let mut g = fs.inner.lock();
+                g.store.generation += 1;
+                g.store.must_commit = true;
             }
+            let wb = fs.writeback_all();
+            {
+                let _c = fs.commit_lock.lock();
+                fs.commit_locked(false)?;
+            }
+            wb?;
         }
         Ok(fs)
     }
@@ -321,19 +337,41 @@ impl Fs {
     /// A full commit of the trees as they are, without writing back cached data.
     fn commit_tree(&self) -> Result<()> {
         let _c = self.commit_lock.lock();
-        self.commit_locked()
+        self.commit_locked(true)
     }
 
-    /// A full commit; the caller holds `commit_lock`.
-    fn commit_locked(&self) -> Result<()> {
+    /// A full commit; the caller holds `commit_lock`. With `chain`, fsyncs go on while
+    /// it is written: the log's last batch of this generation is written first, and
+    /// the next generation's batches follow it (see `log`); otherwise (or when that
+    /// batch does not fit or fails) no batch is written until the commit is durable.
+    fn commit_locked(&self, chain: bool) -> Result<()> {
         let t0 = std::time::Instant::now();
-        let batch = {
+        let log_guard = self.log_lock.lock();
+        let (mut batch, log_start) = {
             let mut g = self.inner.lock();
             g.flush_all_pending()?;
             if !g.store.has_changes() {
                 return Ok(());
             }
-            g.store.prepare_commit()?
+            (g.store.prepare_commit(chain)?, g.store.sb.log_start)
+        };
+        let log_guard = match batch.closing.take() {
+            Some(c) => match Store::write_log(self.dev.as_ref(), &self.stats, log_start, &c) {
+                Ok(()) => {
+                    let mut g = self.inner.lock();
+                    g.store.log.written_lsn = g.store.log.written_lsn.max(c.end_lsn);
+                    drop(g);
+                    drop(log_guard);
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "closing log batch not written ({e}); fsyncs wait for the commit"
+                    );
+                    Some(log_guard)
+                }
+            },
+            None => Some(log_guard),
         };
         if let Err(e) = Store::write_commit(self.dev.as_ref(), &self.stats, &batch) {
             tracing::error!("commit failed, refusing further changes: {e}");
@@ -341,6 +379,7 @@ impl Fs {
             return Err(e);
         }
         self.inner.lock().store.finish_commit(batch);
+        drop(log_guard);
         self.stats.commit_latency.record(t0.elapsed());
         Ok(())
     }
@@ -413,16 +452,16 @@ impl Fs {
     /// Makes every record up to `target` durable: one log batch, or a full commit when
     /// the log cannot take it.
     ///
-    /// Batches are written in log order under `commit_lock`; the flush runs without
-    /// it, so the next group's batch is written while this one flushes, and several
-    /// flushes may be in flight (the device serves them in parallel). A flush makes
-    /// durable every batch written before it began (the device's flush covers all
-    /// completed writes), so the LSN read before flushing becomes durable after it;
-    /// replay stops at the first batch that did not land, so a later batch never
-    /// counts without the earlier ones.
+    /// Batches are written in log order under `log_lock` (also while a commit is
+    /// written: see [`Fs::commit_locked`]); the flush runs without it, so the next
+    /// group's batch is written while this one flushes, and several flushes may be in
+    /// flight (the device serves them in parallel). A flush makes durable every batch
+    /// written before it began (the device's flush covers all completed writes), so
+    /// the LSN read before flushing becomes durable after it; replay stops at the first
+    /// batch that did not land, so a later batch never counts without the earlier ones.
     fn log_sync(&self, target: u64) -> Result<()> {
         let written = {
-            let _c = self.commit_lock.lock();
+            let _l = self.log_lock.lock();
             let (batch, log_start) = {
                 let mut g = self.inner.lock();
                 if g.store.log.durable_lsn >= target {
@@ -436,8 +475,9 @@ impl Fs {
                         Some(b) => (Some(b), g.store.sb.log_start),
                         None => {
                             drop(g);
+                            drop(_l);
                             Stats::add(&self.stats.fallbacks, 1);
-                            return self.commit_locked();
+                            return self.commit_tree();
                         }
                     }
                 }
@@ -698,21 +738,39 @@ impl Inner {
     }
 
     /// Applies the log batches of the running generation (what was fsynced after the
-    /// last commit) to the trees; returns how many. See `log`.
+    /// last commit), and of the next when a commit was in flight, to the trees;
+    /// returns how many. See `log`.
     fn replay_log(&mut self) -> Result<usize> {
         let st = &mut self.store;
-        // After a clean unmount the log of the running generation is empty: one block
-        // tells.
-        let mut first = vec![0u8; (crate::format::BLOCK_SIZE as usize).min(st.sb.log_len as usize)];
-        st.dev.read_at(&mut first, st.sb.log_start)?;
-        if !crate::log::starts_a_log(&first, &st.sb.fsid, st.generation) {
+        let bs = crate::format::BLOCK_SIZE as usize;
+        let (start, len, head) = (st.sb.log_start, st.sb.log_len, st.sb.log_head);
+        // After a clean unmount the log of the running generation is empty: the block
+        // at its head (or at the area's start, where a batch goes that does not fit
+        // before the end) tells.
+        let mut at_head = vec![0u8; bs.min(len as usize)];
+        let mut at_zero = vec![0u8; bs.min(len as usize)];
+        st.dev.read_at(&mut at_head, start + head)?;
+        st.dev.read_at(&mut at_zero, start)?;
+        if !crate::log::starts_a_log(&at_head, &at_zero, &st.sb.fsid, st.generation) {
             return Ok(0);
         }
-        let mut area = vec![0u8; st.sb.log_len as usize];
-        st.dev.read_at(&mut area, st.sb.log_start)?;
+        let mut area = vec![0u8; len as usize];
+        st.dev.read_at(&mut area, start)?;
+        let first = crate::log::parse(&area, &st.sb.fsid, st.generation, head);
+        let mut used = first.used;
+        let mut found = first.batches;
+        if first.closed {
+            // A commit was in flight: the next generation's batches follow.
+            let next = crate::log::parse(&area, &st.sb.fsid, st.generation + 1, first.end);
+            used += next.used;
+            found.extend(next.batches);
+        }
+        // New batches go after everything found, which stays as it is until the next
+        // commit is durable: a crash before that replays the same.
+        st.log.skip_found(used);
         let dev = st.dev.clone();
         let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr).is_ok();
-        let batches: Vec<_> = crate::log::parse(&area, &st.sb.fsid, st.generation)
+        let batches: Vec<_> = found
             .into_iter()
             .take_while(|b| crate::log::data_landed(b, &mut read))
             .collect();

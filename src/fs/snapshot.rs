@@ -182,7 +182,7 @@ impl Fs {
         {
             let _c = self.commit_lock.lock();
             self.inner.lock().store.request_snapshot(name)?;
-            self.commit_locked()?;
+            self.commit_locked(true)?;
         }
         tracing::info!("snapshot {:?} taken", String::from_utf8_lossy(name));
         self.with(|i| i.lookup_snapshot(name))

@@ -339,7 +339,7 @@ fn a_snapshot_reads_its_shared_root_while_the_commit_that_took_it_is_in_flight()
     g.store.request_snapshot(b"s").unwrap();
     // The commit is prepared (the snapshot exists in memory) but its nodes are not on
     // the device yet, as while another thread writes them without the lock.
-    let batch = g.store.prepare_commit().unwrap();
+    let batch = g.store.prepare_commit(false).unwrap();
     let id = g.store.snapshot_id(b"s").unwrap();
     // A change to the live tree copies the shared root away from the snapshot...
     g.setxattr(ROOT_INO, b"user.x", b"1", false, false).unwrap();
