@@ -287,9 +287,11 @@ impl LogBuffer {
         }
     }
 
-    /// Whether the area is over half used: time to commit, before an fsync has to.
+    /// Whether the running generation's batches fill over three quarters of the area:
+    /// time to commit, before an fsync has to. The rest takes the next generation's
+    /// batches while that commit is written.
     pub(crate) fn wants_commit(&self) -> bool {
-        self.overflow || self.tail - self.head > self.capacity / 2
+        self.overflow || self.tail - self.head > self.capacity / 4 * 3
     }
 
     /// Whether `ino` already went to the log in this generation.

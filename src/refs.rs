@@ -95,6 +95,19 @@ impl DelayedRefs {
         self.heads.is_empty()
     }
 
+    /// Takes the `n` queued heads of lowest address, in address order.
+    pub fn take_first(&mut self, n: usize) -> Vec<DelayedRefHead> {
+        let p = self.heads.search(0);
+        let mut out = Vec::with_capacity(n.min(self.heads.len()));
+        while out.len() < n {
+            match self.heads.remove_after(&p) {
+                Some(h) => out.push(h),
+                None => break,
+            }
+        }
+        out
+    }
+
     /// Takes every queued head, in address order.
     pub fn take(&mut self) -> Vec<DelayedRefHead> {
         let out = self.heads.iter().copied().collect();
@@ -116,6 +129,16 @@ mod tests {
         r.add(4096, 4096, 1, 1);
         assert_eq!(r.len(), 2);
         assert_eq!(r.find(4096).unwrap().delta, 2);
+        r.add(12288, 4096, 1, 1);
+        let first = r.take_first(1);
+        assert_eq!((first.len(), first[0].bytenr), (1, 4096));
+        assert_eq!(r.len(), 2);
+        assert!(r.find(4096).is_none());
+        r.add(4096, 4096, 1, 2);
+        let v = r.take();
+        assert_eq!(v.len(), 3);
+        r.add(8192, 4096, 1, 0);
+        r.add(4096, 4096, 1, 2);
         let v = r.take();
         assert_eq!(v.len(), 2);
         assert_eq!((v[0].bytenr, v[0].delta), (4096, 2));

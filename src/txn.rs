@@ -38,7 +38,7 @@ use crate::format::{
     decode_node, encode_node, kind, objectid, root_flag, tree, ExtentItem, FileExtent, Key,
     NodeBody, NodeHeader, RootItem, SnapshotItem, SnapshotMeta, Superblock, Timespec,
     DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE, INCOMPAT_LOG_RING,
-    LOG_START, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
+    LOG_START, MAX_ITEM_SIZE, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
 };
 use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
@@ -114,12 +114,16 @@ fn random_fsid() -> [u8; 16] {
 }
 
 /// The log area: 1/32 of the device, from 1 MiB up to the 62 MiB that fit between its
-/// start (1 MiB) and the second superblock copy (64 MiB). A commit empties it when it is
-/// half full, so a larger log means fewer commits under a stream of fsyncs (each commit
-/// rewrites every tree node changed since the last: W3's metadata write amplification).
+/// start (1 MiB) and the second superblock copy (64 MiB). A commit starts when one
+/// generation's batches fill three quarters of it, so a larger log means fewer commits
+/// under a stream of fsyncs (each commit rewrites every tree node changed since the
+/// last: W3's metadata write amplification).
 fn log_len_for(size: u64) -> u64 {
     (size / 32).clamp(1 << 20, 62 << 20) & !4095
 }
+
+/// Bytes a leaf spends on an item besides its value: key and length.
+const ITEM_OVERHEAD: usize = 17 + 4;
 
 fn reserve_for(size: u64) -> u64 {
     (size / 32).clamp(4 << 20, 256 << 20)
@@ -461,57 +465,89 @@ impl Store {
     fn run_delayed_refs(&mut self) -> Result<()> {
         while !self.refs.is_empty() {
             for h in self.refs.take() {
-                let key = Key::new(h.bytenr, kind::EXTENT_ITEM, h.len);
-                let old = match self.search(tree::EXTENT, &key)? {
-                    Some(v) => Some(
-                        ExtentItem::read_from_bytes(&v)
-                            .map_err(|_| Error::corrupt("extent item", h.bytenr, "bad size"))?,
-                    ),
-                    None => None,
-                };
-                let old_refs = old.map(|o| o.refs.get() as i64).unwrap_or(0);
-                let new_refs = old_refs + h.delta;
-                if new_refs < 0 {
-                    return Err(Error::corrupt(
-                        "extent item",
-                        h.bytenr,
-                        format!("refcount would drop below zero ({old_refs} {:+})", h.delta),
-                    ));
-                }
-                if new_refs == 0 {
-                    if old.is_some() {
-                        self.delete(tree::EXTENT, &key)?;
-                        self.bytes_used -= h.len;
-                    }
-                    if h.flags & EXTENT_FLAG_DATA != 0 {
-                        self.delete(
-                            tree::CSUM,
-                            &Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr),
-                        )?;
-                    }
-                    self.alloc.pin(h.bytenr, h.len);
-                } else if new_refs != old_refs {
-                    let item = ExtentItem {
-                        refs: (new_refs as u64).into(),
-                        flags: h.flags.into(),
-                        generation: old
-                            .map(|o| o.generation.get())
-                            .unwrap_or(self.generation)
-                            .into(),
-                    };
-                    if old.is_none() {
-                        self.bytes_used += h.len;
-                    }
-                    self.insert(tree::EXTENT, key, item.as_bytes().to_vec())?;
-                }
+                self.run_ref_head(h)?;
             }
         }
         Ok(())
     }
 
-    /// Brings every tree and the superblock to a state ready to write; the running
-    /// generation advances. Called under the fs lock.
-    /// Runs delayed refs and root-item updates until neither queues anything new.
+    /// Runs the `n` queued refcount changes of lowest address ahead of the commit, so
+    /// that the commit (which holds the fs lock while it runs the rest) stays short,
+    /// as btrfs runs delayed refs when too many are queued. Like the commit's, these
+    /// changes are not logged: replay rebuilds them from the logged data references.
+    /// An error leaves the trees half changed: nothing more may be done.
+    pub(crate) fn run_some_delayed_refs(&mut self, n: usize) -> Result<()> {
+        let logging = std::mem::replace(&mut self.log.enabled, false);
+        let heads = self.refs.take_first(n);
+        let r = heads.into_iter().try_for_each(|h| self.run_ref_head(h));
+        self.log.enabled = logging;
+        if let Err(e) = &r {
+            tracing::error!("running delayed refs failed, refusing further changes: {e}");
+            self.failed = true;
+        }
+        r
+    }
+
+    /// Largest item this filesystem's nodes take: two must fit in one node (so a split
+    /// always succeeds), and never more than `MAX_ITEM_SIZE`.
+    pub(crate) fn max_item_size(&self) -> usize {
+        let ns = self.sb.node_size as usize;
+        ((ns - crate::format::NODE_HEADER_SIZE) / 2 - ITEM_OVERHEAD).min(MAX_ITEM_SIZE)
+    }
+
+    /// Number of refcount changes queued.
+    pub(crate) fn queued_refs(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Applies one queued refcount change to the extent tree.
+    fn run_ref_head(&mut self, h: crate::refs::DelayedRefHead) -> Result<()> {
+        let key = Key::new(h.bytenr, kind::EXTENT_ITEM, h.len);
+        let old = match self.search(tree::EXTENT, &key)? {
+            Some(v) => Some(
+                ExtentItem::read_from_bytes(&v)
+                    .map_err(|_| Error::corrupt("extent item", h.bytenr, "bad size"))?,
+            ),
+            None => None,
+        };
+        let old_refs = old.map(|o| o.refs.get() as i64).unwrap_or(0);
+        let new_refs = old_refs + h.delta;
+        if new_refs < 0 {
+            return Err(Error::corrupt(
+                "extent item",
+                h.bytenr,
+                format!("refcount would drop below zero ({old_refs} {:+})", h.delta),
+            ));
+        }
+        if new_refs == 0 {
+            if old.is_some() {
+                self.delete(tree::EXTENT, &key)?;
+                self.bytes_used -= h.len;
+            }
+            if h.flags & EXTENT_FLAG_DATA != 0 {
+                self.delete(
+                    tree::CSUM,
+                    &Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr),
+                )?;
+            }
+            self.alloc.pin(h.bytenr, h.len);
+        } else if new_refs != old_refs {
+            let item = ExtentItem {
+                refs: (new_refs as u64).into(),
+                flags: h.flags.into(),
+                generation: old
+                    .map(|o| o.generation.get())
+                    .unwrap_or(self.generation)
+                    .into(),
+            };
+            if old.is_none() {
+                self.bytes_used += h.len;
+            }
+            self.insert(tree::EXTENT, key, item.as_bytes().to_vec())?;
+        }
+        Ok(())
+    }
+
     fn settle_trees(&mut self) -> Result<()> {
         loop {
             self.run_delayed_refs()?;

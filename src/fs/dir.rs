@@ -10,8 +10,7 @@ use super::{Attr, Creds, DirEntryOut, Inner, RenameFlags};
 use crate::error::{Error, Result};
 use crate::format::{
     decode_dir_entries, decode_inode_refs, encode_dir_entries, encode_inode_refs, kind, name_hash,
-    objectid, tree, DirEntry, InodeItem, InodeRef, Key, Timespec, MAX_ITEM_SIZE, NAME_MAX,
-    SYMLINK_MAX,
+    objectid, tree, DirEntry, InodeItem, InodeRef, Key, Timespec, NAME_MAX, SYMLINK_MAX,
 };
 
 /// A name a directory entry may have (`.` and `..` are the callers' business).
@@ -112,7 +111,7 @@ impl Inner {
         };
         list.push(entry.clone());
         let enc = encode_dir_entries(&list);
-        if enc.len() > MAX_ITEM_SIZE {
+        if enc.len() > self.store.max_item_size() {
             return Err(Error::NoSpace);
         }
         let rk = inode_ref_key(ino, dir);
@@ -126,7 +125,7 @@ impl Inner {
             name: name.to_vec(),
         });
         let renc = encode_inode_refs(&refs);
-        if renc.len() > MAX_ITEM_SIZE {
+        if renc.len() > self.store.max_item_size() {
             return Err(Error::Invalid("too many links in one directory"));
         }
         self.store.insert(tree::FS, ik, enc)?;
@@ -223,7 +222,8 @@ impl Inner {
             if t.is_empty() {
                 return Err(Error::NotFound);
             }
-            if t.len() > SYMLINK_MAX {
+            // The target is one item: with small nodes it is shorter than PATH_MAX.
+            if t.len() > SYMLINK_MAX.min(self.store.max_item_size()) {
                 return Err(Error::NameTooLong);
             }
         }

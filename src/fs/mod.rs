@@ -194,6 +194,12 @@ const RUN_BUFS_KEPT: usize = 16;
 
 /// Dirty tree nodes that trigger a commit at the end of an operation.
 const DIRTY_COMMIT_NODES: usize = 8192;
+/// Queued refcount changes past which each operation runs some of them, so that a
+/// commit does not run them all while it holds the fs lock (W3: ~18,000 per commit,
+/// up to 120 ms).
+const REFS_RUN_AT: usize = 4096;
+/// How many an operation runs then (a few milliseconds).
+const REFS_RUN_CHUNK: usize = 256;
 
 impl Fs {
     /// Writes a new, empty filesystem on `dev`.
@@ -318,6 +324,10 @@ impl Fs {
         let (r, big) = {
             let mut g = self.inner.lock();
             let r = f(&mut g);
+            if g.store.queued_refs() > REFS_RUN_AT && !g.store.readonly && !g.store.failed {
+                // An error here has already logged itself and stopped all changes.
+                let _ = g.store.run_some_delayed_refs(REFS_RUN_CHUNK);
+            }
             (r, g.store.dirty_nodes() > DIRTY_COMMIT_NODES)
         };
         if big {
@@ -435,8 +445,8 @@ impl Fs {
         self.log_sync(target)
     }
 
-    /// Commits when the log area is over half full, so that fsyncs keep finding room
-    /// in it; servers call this after answering the fsyncs of a batch.
+    /// Commits when the log area is over three quarters full, so that fsyncs keep
+    /// finding room in it; servers call this after answering the fsyncs of a batch.
     pub fn commit_if_log_full(&self) -> Result<()> {
         if self.inner.lock().store.log.wants_commit() {
             self.commit_tree()?;

@@ -3,7 +3,7 @@
 use super::Inner;
 use crate::error::{Error, Result};
 use crate::format::{
-    decode_xattrs, encode_xattrs, kind, name_hash, tree, Key, Timespec, XattrEntry, MAX_ITEM_SIZE,
+    decode_xattrs, encode_xattrs, kind, name_hash, tree, Key, Timespec, XattrEntry,
 };
 
 /// Longest xattr name, as Linux limits it.
@@ -67,7 +67,7 @@ impl Inner {
             None => list.push(e),
         }
         let enc = encode_xattrs(&list);
-        if enc.len() > MAX_ITEM_SIZE {
+        if enc.len() > self.store.max_item_size() {
             return Err(Error::NoSpace);
         }
         self.store.insert(tree::FS, xattr_key(ino, name), enc)?;
