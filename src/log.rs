@@ -393,6 +393,11 @@ impl LogBuffer {
         self.live = self.head;
     }
 
+    /// A batch is written (not yet flushed).
+    pub(crate) fn batch_written(&mut self, end_lsn: u64) {
+        self.written_lsn = self.written_lsn.max(end_lsn);
+    }
+
     /// A batch is durable.
     pub(crate) fn batch_done(&mut self, end_lsn: u64) {
         self.durable_lsn = self.durable_lsn.max(end_lsn);

@@ -477,12 +477,22 @@ impl Store {
     /// changes are not logged: replay rebuilds them from the logged data references.
     /// An error leaves the trees half changed: nothing more may be done.
     pub(crate) fn run_some_delayed_refs(&mut self, n: usize) -> Result<()> {
-        let logging = std::mem::replace(&mut self.log.enabled, false);
         let heads = self.refs.take_first(n);
-        let r = heads.into_iter().try_for_each(|h| self.run_ref_head(h));
+        self.unlogged("running delayed refs", |s| {
+            heads.into_iter().try_for_each(|h| s.run_ref_head(h))
+        })
+    }
+
+    /// Runs commit work `f` with logging off (replay rebuilds what it changes from the
+    /// logged records). An error leaves delayed refs and snapshots half applied in
+    /// memory: nothing may build on that (a snapshot's root could even be changed in
+    /// place), so the store refuses further changes.
+    fn unlogged(&mut self, what: &str, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        let logging = std::mem::replace(&mut self.log.enabled, false);
+        let r = f(self);
         self.log.enabled = logging;
         if let Err(e) = &r {
-            tracing::error!("running delayed refs failed, refusing further changes: {e}");
+            tracing::error!("{what} failed, refusing further changes: {e}");
             self.failed = true;
         }
         r
@@ -548,6 +558,7 @@ impl Store {
         Ok(())
     }
 
+    /// Runs delayed refs and root-item updates until neither queues anything new.
     fn settle_trees(&mut self) -> Result<()> {
         loop {
             self.run_delayed_refs()?;
@@ -576,21 +587,11 @@ impl Store {
         let fsid = self.sb.fsid;
         let closing = self.log.commit_started(&fsid, self.generation, chain);
         // What commit itself changes (freed checksums, root items) is not logged.
-        let logging = std::mem::replace(&mut self.log.enabled, false);
-        let r = self
-            .settle_trees()
-            .and_then(|_| self.take_snapshots())
-            .and_then(|_| self.settle_trees());
-        self.log.enabled = logging;
-        if let Err(e) = r {
-            // Delayed refs and snapshots are half applied in memory: nothing may build
-            // on that (a snapshot's root could even be changed in place).
-            tracing::error!(
-                "commit failed while settling the trees, refusing further changes: {e}"
-            );
-            self.failed = true;
-            return Err(e);
-        }
+        self.unlogged("settling the trees for a commit", |s| {
+            s.settle_trees()
+                .and_then(|_| s.take_snapshots())
+                .and_then(|_| s.settle_trees())
+        })?;
         self.must_commit = false;
         let root = self.root(tree::ROOT);
         self.written_roots.insert(tree::ROOT, root);

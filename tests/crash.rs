@@ -1120,6 +1120,40 @@ struct GateDev {
     waiting: std::sync::atomic::AtomicBool,
 }
 
+/// A filesystem on a gated, crash-recording device, with no commit timer.
+fn gated_fs() -> (Arc<CrashDev>, Arc<GateDev>, Arc<Fs>) {
+    let crash = Arc::new(CrashDev::new(base_image()));
+    let gate = Arc::new(GateDev {
+        inner: crash.clone(),
+        open: std::sync::Mutex::new(false),
+        cv: std::sync::Condvar::new(),
+        waiting: std::sync::atomic::AtomicBool::new(false),
+    });
+    let fs = Fs::open(
+        gate.clone(),
+        Options {
+            commit_interval: std::time::Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    (crash, gate, Arc::new(fs))
+}
+
+/// Starts a commit on a thread named `committer` and returns once it waits at the
+/// gate (its nodes written, its superblocks not).
+fn hold_a_commit(fs: &Arc<Fs>, gate: &GateDev) -> std::thread::JoinHandle<birchfs::Result<()>> {
+    let fs = fs.clone();
+    let t = std::thread::Builder::new()
+        .name("committer".into())
+        .spawn(move || fs.commit())
+        .unwrap();
+    while !gate.waiting.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    t
+}
+
 impl GateDev {
     fn release(&self) {
         *self.open.lock().unwrap() = true;
@@ -1157,23 +1191,7 @@ impl birchfs::dev::BlockDev for GateDev {
 /// fsync waited for the whole commit.)
 #[test]
 fn an_fsync_completes_and_survives_while_a_commit_is_in_flight() {
-    let crash = Arc::new(CrashDev::new(base_image()));
-    let gate = Arc::new(GateDev {
-        inner: crash.clone(),
-        open: std::sync::Mutex::new(false),
-        cv: std::sync::Condvar::new(),
-        waiting: std::sync::atomic::AtomicBool::new(false),
-    });
-    let fs = Arc::new(
-        Fs::open(
-            gate.clone(),
-            Options {
-                commit_interval: std::time::Duration::ZERO,
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
+    let (crash, gate, fs) = gated_fs();
     let c = Creds::default();
     let a = fs.mknod(birchfs::ROOT_INO, b"a", 0o644, 0, c).unwrap().ino;
     fs.write(a, 0, &[1; 10_000]).unwrap();
@@ -1182,16 +1200,7 @@ fn an_fsync_completes_and_survives_while_a_commit_is_in_flight() {
     let b = fs.mknod(birchfs::ROOT_INO, b"b", 0o644, 0, c).unwrap().ino;
     fs.write(b, 0, &[2; 5000]).unwrap();
     fs.write(a, 0, &[3; 100]).unwrap();
-    let committer = {
-        let fs = fs.clone();
-        std::thread::Builder::new()
-            .name("committer".into())
-            .spawn(move || fs.commit())
-            .unwrap()
-    };
-    while !gate.waiting.load(std::sync::atomic::Ordering::SeqCst) {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    let committer = hold_a_commit(&fs, &gate);
     // The commit is in flight. New changes, fsynced from another thread.
     let (tx, rx) = std::sync::mpsc::channel();
     {
@@ -1425,23 +1434,7 @@ fn fsyncs_and_commits_together_survive_every_power_cut() {
 /// the stale batch below is replayed onto an inode that does not exist.)
 #[test]
 fn batches_a_crash_left_beyond_the_log_are_never_replayed() {
-    let crash = Arc::new(CrashDev::new(base_image()));
-    let gate = Arc::new(GateDev {
-        inner: crash.clone(),
-        open: std::sync::Mutex::new(false),
-        cv: std::sync::Condvar::new(),
-        waiting: std::sync::atomic::AtomicBool::new(false),
-    });
-    let fs = Arc::new(
-        Fs::open(
-            gate.clone(),
-            Options {
-                commit_interval: std::time::Duration::ZERO,
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
+    let (crash, gate, fs) = gated_fs();
     let c = Creds::default();
     let a = fs.mknod(birchfs::ROOT_INO, b"a", 0o644, 0, c).unwrap().ino;
     fs.write(a, 0, &[1; 10_000]).unwrap();
@@ -1449,16 +1442,7 @@ fn batches_a_crash_left_beyond_the_log_are_never_replayed() {
     // Created only in the closing batch, which is lost below.
     let e = fs.mknod(birchfs::ROOT_INO, b"e", 0o644, 0, c).unwrap().ino;
     fs.write(e, 0, &[2; 5000]).unwrap();
-    let committer = {
-        let fs = fs.clone();
-        std::thread::Builder::new()
-            .name("committer".into())
-            .spawn(move || fs.commit())
-            .unwrap()
-    };
-    while !gate.waiting.load(std::sync::atomic::Ordering::SeqCst) {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    let committer = hold_a_commit(&fs, &gate);
     // Two one-block batches of the next generation; the second changes `e`.
     let d = fs.mkdir(birchfs::ROOT_INO, b"d", 0o755, c).unwrap().ino;
     let f = fs.mknod(d, b"f", 0o644, 0, c).unwrap().ino;

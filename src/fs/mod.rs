@@ -271,12 +271,8 @@ impl Fs {
                 g.store.generation += 1;
                 g.store.must_commit = true;
             }
-            let wb = fs.writeback_all();
-            {
-                let _c = fs.commit_lock.lock();
-                fs.commit_locked(false)?;
-            }
-            wb?;
+            let _c = fs.commit_lock.lock();
+            fs.commit_locked(false)?;
         }
         Ok(fs)
     }
@@ -366,11 +362,8 @@ impl Fs {
             (g.store.prepare_commit(chain)?, g.store.sb.log_start)
         };
         let log_guard = match batch.closing.take() {
-            Some(c) => match Store::write_log(self.dev.as_ref(), &self.stats, log_start, &c) {
+            Some(c) => match self.write_batch(log_start, &c) {
                 Ok(()) => {
-                    let mut g = self.inner.lock();
-                    g.store.log.written_lsn = g.store.log.written_lsn.max(c.end_lsn);
-                    drop(g);
                     drop(log_guard);
                     None
                 }
@@ -493,15 +486,12 @@ impl Fs {
                 }
             };
             if let Some(batch) = batch {
-                if let Err(e) = Store::write_log(self.dev.as_ref(), &self.stats, log_start, &batch)
-                {
+                if let Err(e) = self.write_batch(log_start, &batch) {
                     // Later batches would sit behind a damaged one: commit from now on.
                     tracing::error!("log write failed: {e}");
                     self.inner.lock().store.log.overflow = true;
                     return Err(e);
                 }
-                let mut g = self.inner.lock();
-                g.store.log.written_lsn = g.store.log.written_lsn.max(batch.end_lsn);
             }
             self.inner.lock().store.log.written_lsn
         };
@@ -512,6 +502,13 @@ impl Fs {
         }
         Stats::add(&self.stats.flushes, 1);
         self.inner.lock().store.log.batch_done(written);
+        Ok(())
+    }
+
+    /// Writes a log batch (no flush) and notes it written; the caller holds `log_lock`.
+    fn write_batch(&self, log_start: u64, batch: &crate::log::Batch) -> Result<()> {
+        Store::write_log(self.dev.as_ref(), &self.stats, log_start, batch)?;
+        self.inner.lock().store.log.batch_written(batch.end_lsn);
         Ok(())
     }
 
