@@ -1273,21 +1273,21 @@ fn an_fsync_completes_and_survives_while_a_commit_is_in_flight() {
     }
 }
 
-/// Whether `got` is what a file may hold after a crash, given `versions`: the version
+/// Whether `got` is a file a power cut may leave: `versions[0]` is the version that
 /// its last returned fsync promised, then every later one. Writes after that fsync may
-/// be there in part (a commit takes what is written back at its start), and a later
-/// size may be there before its data (a commit records the size of a write whose data
-/// is still cached: zeros past the promised version's end); what the promised version
-/// holds is never older.
+/// be there in part (a commit takes what is written back at its start), so each byte
+/// is that of some version and the size lies between the promised one and the last;
+/// a size never comes before its data (no zeros where no version had them).
 fn holds(versions: &[Vec<u8>], got: &[u8]) -> bool {
     if versions.iter().any(|v| v == got) {
         return true;
     }
-    let promised_len = versions[0].len();
-    versions.iter().any(|v| v.len() == got.len())
-        && got.iter().enumerate().all(|(i, b)| {
-            versions.iter().any(|v| v.get(i) == Some(b)) || (*b == 0 && i >= promised_len)
-        })
+    let longest = versions.iter().map(Vec::len).max().unwrap_or(0);
+    (versions[0].len()..=longest).contains(&got.len())
+        && got
+            .iter()
+            .enumerate()
+            .all(|(i, b)| versions.iter().any(|v| v.get(i) == Some(b)))
 }
 
 /// Writers fsync their own files while another thread commits over and over, so log

@@ -459,3 +459,63 @@ fn reused_folio_buffers_never_show_old_bytes() {
         }
     }
 }
+
+/// The image a power cut at this moment leaves (a `MemDev` holds every write).
+fn crashed(dev: &Arc<MemDev>) -> Fs {
+    Fs::open(
+        Arc::new(MemDev::from_image(dev.image())),
+        Options::default(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_commit_records_a_cached_size_only_with_its_data() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"f");
+    let old = pattern(10_000, 1);
+    fs.write(ino, 0, &old).unwrap();
+    fs.fsync(ino, false).unwrap();
+    // An append that stays cached, an attribute change that stores the inode, and a
+    // commit of the trees that writes nothing back.
+    fs.write(ino, 10_000, &pattern(20_000, 2)).unwrap();
+    fs.setattr(
+        ino,
+        &SetAttr {
+            mode: Some(0o600),
+            ..SetAttr::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(fs.getattr(ino).unwrap().size, 30_000);
+    fs.commit_tree().unwrap();
+    let after = crashed(&dev);
+    let a = after.getattr(ino).unwrap();
+    assert_eq!((a.size, a.perm), (10_000, 0o600));
+    assert_eq!(after.read(ino, 0, 40_000).unwrap(), old);
+    // Once written back, the commit takes the whole size.
+    fs.writeback(ino, u64::MAX).unwrap();
+    fs.commit_tree().unwrap();
+    let mut want = old.clone();
+    want.extend_from_slice(&pattern(20_000, 2));
+    assert_eq!(crashed(&dev).read(ino, 0, 40_000).unwrap(), want);
+}
+
+#[test]
+fn a_partial_writeback_lets_the_size_reach_only_what_it_wrote() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"f");
+    let data = pattern(1 << 20, 3);
+    fs.write(ino, 0, &data).unwrap();
+    // Writeback goes in file order: the first 256 KiB.
+    assert_eq!(fs.writeback(ino, 256 << 10).unwrap(), 256 << 10);
+    fs.commit_tree().unwrap();
+    let after = crashed(&dev);
+    assert_eq!(after.getattr(ino).unwrap().size, 256 << 10);
+    assert_eq!(after.read(ino, 0, 2 << 20).unwrap(), &data[..256 << 10]);
+    assert_eq!(fs.getattr(ino).unwrap().size, 1 << 20);
+    fs.fsync(ino, true).unwrap();
+    assert_eq!(crashed(&dev).read(ino, 0, 2 << 20).unwrap(), data);
+}

@@ -421,12 +421,15 @@ impl Inner {
     pub(crate) fn note_write(&mut self, ino: u64, end: u64) -> Result<()> {
         let i = self.get_inode(ino)?;
         let now = Timespec::now();
+        // Without an entry, the item read is the stored one: its size is on disk.
+        let disk_size = self.pending.get(&ino).map_or(i.size.get(), |p| p.disk_size);
         self.pending.insert(
             ino,
             super::PendingAttr {
                 size: i.size.get().max(end),
                 mtime: now,
                 ctime: now,
+                disk_size,
             },
         );
         Ok(())
@@ -444,18 +447,30 @@ impl Inner {
                 return Ok(());
             }
         };
+        let mut end = 0;
         for (off, space, sums) in placed {
+            end = end.max(off + space.iter().map(|&(_, len)| len).sum::<u64>());
             self.map_blocks(ino, &mut i, off, &space, sums)?;
+        }
+        // Writeback takes a file's dirty blocks in file order, so every block below
+        // `end` that was dirty is now mapped: the size may reach it.
+        if let Some(p) = self.pending.get_mut(&ino) {
+            p.disk_size = p.disk_size.max(end.min(p.size));
         }
         self.put_inode(ino, &mut i)?;
         self.store.log.mark_data(ino);
         Ok(())
     }
 
-    /// Puts the pending size and times of `ino` into its inode item.
+    /// Puts the pending size and times of `ino` into its inode item (the size up to
+    /// the data written back; all of it when nothing of `ino` waits in the cache).
     pub(crate) fn flush_pending(&mut self, ino: u64) -> Result<()> {
-        if !self.pending.contains_key(&ino) {
+        let Some(p) = self.pending.get_mut(&ino) else {
             return Ok(());
+        };
+        // A writeback in flight keeps the inode listed as dirty until it has mapped.
+        if !self.cache.has_dirty(ino) {
+            p.disk_size = p.size;
         }
         match self.get_inode_opt(ino)? {
             Some(mut i) => {
@@ -469,9 +484,16 @@ impl Inner {
         Ok(())
     }
 
-    /// Puts every pending size and time into the inode items (before a commit).
+    /// Puts every pending size and time into the inode items (before a commit),
+    /// except those of files whose new size waits for its data in the cache: their
+    /// writeback stores them.
     pub(crate) fn flush_all_pending(&mut self) -> Result<()> {
-        let inos: Vec<u64> = self.pending.keys().copied().collect();
+        let inos: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(ino, p)| p.disk_size == p.size || !self.cache.has_dirty(**ino))
+            .map(|(ino, _)| *ino)
+            .collect();
         for ino in inos {
             self.flush_pending(ino)?;
         }

@@ -228,17 +228,32 @@ impl Inner {
         self.get_inode_opt(ino)?.ok_or(Error::NotFound)
     }
 
-    /// Stores the inode item of `ino` (which includes what was pending).
+    /// Stores the inode item of `ino` (which includes what was pending). A size that
+    /// came from cached writes whose data is not all written back is stored only up
+    /// to that data's end, and the rest stays pending.
     pub(crate) fn put_inode(&mut self, ino: u64, item: &mut InodeItem) -> Result<()> {
         // Snapshot inode numbers are not keys of the live tree (every change of an
         // inode stores it, so this guards all write paths).
         if super::snapshot::is_snapshot_ino(ino) {
             return Err(Error::ReadOnly);
         }
-        self.pending.remove(&ino);
         item.transid = self.store.generation.into();
-        self.store
-            .insert(tree::FS, inode_key(ino), item.as_bytes().to_vec())
+        match self.pending.get_mut(&ino) {
+            // The caller kept the cached size (it did not set one of its own).
+            Some(p) if p.size == item.size.get() && p.disk_size < p.size => {
+                p.mtime = item.mtime;
+                p.ctime = item.ctime;
+                let mut stored = *item;
+                stored.size = p.disk_size.into();
+                self.store
+                    .insert(tree::FS, inode_key(ino), stored.as_bytes().to_vec())
+            }
+            _ => {
+                self.pending.remove(&ino);
+                self.store
+                    .insert(tree::FS, inode_key(ino), item.as_bytes().to_vec())
+            }
+        }
     }
 
     pub(crate) fn getattr(&mut self, ino: u64) -> Result<Attr> {

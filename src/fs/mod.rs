@@ -136,13 +136,16 @@ pub struct ExtentInfo {
 pub const ROOT_INO: u64 = objectid::ROOT_DIR;
 
 /// Size and times of an inode changed by cached writes and not yet stored in its
-/// item: `get_inode` applies them, `put_inode` stores them. Writeback, fsync and
-/// commit store them, so the tree only learns a size with (or after) its data.
+/// item: `get_inode` applies them, `put_inode` stores them. The tree only learns a
+/// size with (or after) its data: up to `disk_size` while the rest is in the cache.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PendingAttr {
     size: u64,
     mtime: Timespec,
     ctime: Timespec,
+    /// The largest size the tree may hold: the end of the data written back so far
+    /// (like ext4's `i_disksize`), so a crash never shows a size past its data.
+    disk_size: u64,
 }
 
 pub(crate) struct Inner {
