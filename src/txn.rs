@@ -3,8 +3,9 @@
 //!
 //! ```text
 //!   running(N) --commit--> prepare: run delayed refs and root items to a fixed point,
-//!                          encode dirty nodes, N+1 starts running   [under the fs lock]
-//!              --------->  write nodes, flush, write superblocks, flush [no lock held]
+//!                          take the dirty nodes, N+1 starts running [under the fs lock]
+//!              --------->  encode and write nodes, flush, write superblocks, flush
+//!                                                                   [no lock held]
 //!              --------->  unpin extents freed in N                 [under the fs lock]
 //! ```
 //! Only one commit is in its I/O phase at a time (the caller's commit mutex). Nodes of
@@ -88,7 +89,11 @@ pub(crate) struct Store {
 
 /// What a prepared commit writes, produced under the lock and written without it.
 pub(crate) struct CommitBatch {
-    nodes: Vec<(u64, Vec<u8>)>,
+    /// The dirty nodes by address, encoded only when written (outside the fs lock):
+    /// generation N+1 copies a node before changing it, so these stay as they are.
+    nodes: Vec<(u64, Arc<Node>)>,
+    fsid: [u8; 16],
+    node_size: usize,
     supers: Vec<(u64, Vec<u8>)>,
     pinned: Vec<(u64, u64)>,
     generation: u64,
@@ -595,12 +600,10 @@ impl Store {
         self.must_commit = false;
         let root = self.root(tree::ROOT);
         self.written_roots.insert(tree::ROOT, root);
-        let node_size = self.sb.node_size as usize;
-        let mut nodes = Vec::with_capacity(self.dirty.len());
-        for addr in std::mem::take(&mut self.dirty) {
-            let n = &self.cache[&addr];
-            nodes.push((addr, encode_node(&n.hdr, &n.body, &self.sb.fsid, node_size)));
-        }
+        let nodes: Vec<(u64, Arc<Node>)> = std::mem::take(&mut self.dirty)
+            .into_iter()
+            .map(|addr| (addr, self.cache[&addr].clone()))
+            .collect();
         self.sb.generation = self.generation;
         self.sb.root_tree = root.addr;
         self.sb.root_level = root.level;
@@ -614,6 +617,8 @@ impl Store {
         self.generation += 1;
         Ok(CommitBatch {
             nodes,
+            fsid,
+            node_size: self.sb.node_size as usize,
             supers,
             pinned: self.alloc.take_pinned(),
             generation: self.sb.generation,
@@ -630,7 +635,8 @@ impl Store {
         // Coalesce nodes at consecutive addresses into one write; the device gets
         // them all at once.
         let mut runs: Vec<(u64, crate::dev::AlignedBuf)> = Vec::new();
-        for (addr, node) in &batch.nodes {
+        for (addr, n) in &batch.nodes {
+            let node = &encode_node(&n.hdr, &n.body, &batch.fsid, batch.node_size);
             match runs.last_mut() {
                 Some((start, buf))
                     if *start + buf.len() as u64 == *addr && buf.len() < (1 << 20) =>

@@ -1118,6 +1118,9 @@ struct GateDev {
     cv: std::sync::Condvar,
     /// Set when a committer's flush is waiting at the gate.
     waiting: std::sync::atomic::AtomicBool,
+    /// Stop the committer at its first write instead (right after the commit is
+    /// prepared, before it writes anything).
+    at_write: std::sync::atomic::AtomicBool,
 }
 
 /// A filesystem on a gated, crash-recording device, with no commit timer.
@@ -1128,6 +1131,7 @@ fn gated_fs() -> (Arc<CrashDev>, Arc<GateDev>, Arc<Fs>) {
         open: std::sync::Mutex::new(false),
         cv: std::sync::Condvar::new(),
         waiting: std::sync::atomic::AtomicBool::new(false),
+        at_write: std::sync::atomic::AtomicBool::new(false),
     });
     let fs = Fs::open(
         gate.clone(),
@@ -1159,16 +1163,9 @@ impl GateDev {
         *self.open.lock().unwrap() = true;
         self.cv.notify_all();
     }
-}
 
-impl birchfs::dev::BlockDev for GateDev {
-    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
-        self.inner.read_at(buf, off)
-    }
-    fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
-        self.inner.write_at(buf, off)
-    }
-    fn flush(&self) -> std::io::Result<()> {
+    /// Waits while the gate is shut, if called from the committer.
+    fn stop_the_committer(&self) {
         if std::thread::current().name() == Some("committer") {
             self.waiting
                 .store(true, std::sync::atomic::Ordering::SeqCst);
@@ -1177,11 +1174,104 @@ impl birchfs::dev::BlockDev for GateDev {
                 open = self.cv.wait(open).unwrap();
             }
         }
+    }
+}
+
+impl birchfs::dev::BlockDev for GateDev {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        self.inner.read_at(buf, off)
+    }
+    fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        if self.at_write.load(std::sync::atomic::Ordering::SeqCst) {
+            self.stop_the_committer();
+        }
+        self.inner.write_at(buf, off)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.stop_the_committer();
         self.inner.flush()
     }
     fn size(&self) -> u64 {
         self.inner.size()
     }
+}
+
+/// A commit writes the trees as they were when it was prepared: its nodes are encoded
+/// after the fs lock is released, while new changes (creates, unlinks, renames,
+/// attribute changes) copy them. The image the commit leaves holds exactly the
+/// prepared state, and passes `check`.
+#[test]
+fn a_commit_writes_its_trees_as_they_were_when_prepared() {
+    let (crash, gate, fs) = gated_fs();
+    let c = Creds::default();
+    let root = birchfs::ROOT_INO;
+    let mut want = std::collections::BTreeMap::new();
+    for i in 0..200u32 {
+        let name = format!("f{i}");
+        let ino = fs.mknod(root, name.as_bytes(), 0o644, 0, c).unwrap().ino;
+        let data = vec![(i % 251) as u8 + 1; 100 + i as usize * 37];
+        fs.write(ino, 0, &data).unwrap();
+        fs.fsync(ino, true).unwrap();
+        want.insert(name, data);
+    }
+    // Unbatched changes with no data to write back: the commit's first write comes
+    // after its prepare.
+    for i in 0..50u32 {
+        fs.unlink(root, format!("f{i}").as_bytes()).unwrap();
+        want.remove(&format!("f{i}"));
+    }
+    gate.at_write
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let committer = hold_a_commit(&fs, &gate);
+    // The commit is prepared and holds no lock: change every leaf it is about to write.
+    for i in 50..200u32 {
+        let name = format!("f{i}");
+        if i % 3 == 0 {
+            fs.unlink(root, name.as_bytes()).unwrap();
+        } else if i % 3 == 1 {
+            fs.rename(
+                root,
+                name.as_bytes(),
+                root,
+                format!("g{i}").as_bytes(),
+                RenameFlags::default(),
+            )
+            .unwrap();
+        } else {
+            let ino = fs.resolve(&format!("/{name}")).unwrap().ino;
+            fs.setattr(
+                ino,
+                &birchfs::SetAttr {
+                    mode: Some(0o600),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        }
+        fs.mknod(root, format!("n{i}").as_bytes(), 0o644, 0, c)
+            .unwrap();
+    }
+    gate.release();
+    committer.join().unwrap().unwrap();
+    let img = crash.image_with(crash.op_count(), &[]);
+    drop(fs);
+    let rep = birchfs::check::check(&MemDev::from_image(img.clone())).unwrap();
+    assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+    let fs = Fs::open(Arc::new(MemDev::from_image(img)), Options::default()).unwrap();
+    let mut got = std::collections::BTreeMap::new();
+    for e in fs.readdir(root, 0, 10_000).unwrap() {
+        let name = String::from_utf8(e.name.clone()).unwrap();
+        if name == "." || name == ".." {
+            continue;
+        }
+        let a = fs.getattr(e.ino).unwrap();
+        assert_eq!(
+            a.perm, 0o644,
+            "{name}: a mode changed after the commit began"
+        );
+        got.insert(name, fs.read(e.ino, 0, 100_000).unwrap());
+    }
+    assert_eq!(got, want);
 }
 
 /// fsync does not wait for a commit in flight: while a commit is held between its
