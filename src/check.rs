@@ -711,8 +711,14 @@ fn check_namespace(
     }
     let mut nbytes: HashMap<u64, u64> = HashMap::new();
     let mut last_end: HashMap<u64, u64> = HashMap::new();
+    // Where each file's written (not preallocated) data ends.
+    let mut data_end: HashMap<u64, u64> = HashMap::new();
     for (k, fe) in file_extents {
         *nbytes.entry(k.objectid).or_default() += fe.num_bytes.get();
+        if fe.kind != crate::format::FILE_EXTENT_PREALLOC {
+            let d = data_end.entry(k.objectid).or_default();
+            *d = (*d).max(k.offset + fe.num_bytes.get());
+        }
         let e = last_end.entry(k.objectid).or_default();
         if k.offset < *e {
             w.problem(format!(
@@ -740,6 +746,16 @@ fn check_namespace(
         }
         if nlink == 0 && !orphans.contains(ino) {
             w.problem(format!("inode {ino}: no links and no orphan item (leaked)"));
+        }
+        // Data past the block holding the end of the file would show through a later
+        // extension instead of zeros.
+        let bs = crate::format::BLOCK_SIZE;
+        let data = data_end.get(ino).copied().unwrap_or(0);
+        if data > i.size.get().div_ceil(bs) * bs {
+            w.problem(format!(
+                "inode {ino}: data extents reach {data}, past its size {}",
+                i.size.get()
+            ));
         }
         let nb = nbytes.get(ino).copied().unwrap_or(0);
         if nb != i.nbytes.get() {

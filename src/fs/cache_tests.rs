@@ -519,3 +519,117 @@ fn a_partial_writeback_lets_the_size_reach_only_what_it_wrote() {
     fs.fsync(ino, true).unwrap();
     assert_eq!(crashed(&dev).read(ino, 0, 2 << 20).unwrap(), data);
 }
+
+/// Writes `data` at `off` of `ino`, and while the write is paused before its copy
+/// into the cache (`copied` false) or after it (true), runs `beside` on another
+/// thread, giving it a second to finish (it may wait for the write).
+fn beside_a_write(fs: &Fs, ino: u64, off: u64, data: &[u8], copied: bool, beside: fn(&Fs, u64)) {
+    let (paused_tx, paused_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    *fs.write_hook.lock() = Some(Box::new(move |stage| {
+        if stage == copied {
+            let _ = paused_tx.send(());
+            let _ = go_rx.lock().unwrap().recv_timeout(Duration::from_secs(20));
+        }
+    }));
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| fs.write(ino, off, data).unwrap());
+        paused_rx.recv().unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let other = s.spawn(move || {
+            beside(fs, ino);
+            let _ = done_tx.send(());
+        });
+        let _ = done_rx.recv_timeout(Duration::from_secs(1));
+        go_tx.send(()).unwrap();
+        writer.join().unwrap();
+        other.join().unwrap();
+    });
+    *fs.write_hook.lock() = None;
+}
+
+/// After a crash now, `ino` holds `old` or `old` followed by `new` (whole), the
+/// image is clean, and an extension of the file reads zeros.
+fn crash_shows_old_or_appended(dev: &Arc<MemDev>, ino: u64, old: &[u8], new: &[u8]) {
+    let img = MemDev::from_image(dev.image());
+    let problems = crate::check::check(&img).unwrap().problems;
+    assert!(problems.is_empty(), "{problems:?}");
+    let after = crashed(dev);
+    let size = after.getattr(ino).unwrap().size;
+    let mut want = old.to_vec();
+    if size != old.len() as u64 {
+        assert_eq!(size, (old.len() + new.len()) as u64);
+        want.extend_from_slice(new);
+    }
+    let ext = 2 * (old.len() + new.len());
+    after
+        .setattr(
+            ino,
+            &SetAttr {
+                size: Some(ext as u64),
+                ..SetAttr::default()
+            },
+        )
+        .unwrap();
+    want.resize(ext, 0);
+    assert!(after.read(ino, 0, ext as u32).unwrap() == want);
+}
+
+#[test]
+fn writeback_during_an_extending_write_maps_its_blocks_within_its_size() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"f");
+    let old = pattern(10_000, 1);
+    fs.write(ino, 0, &old).unwrap();
+    fs.commit().unwrap();
+    // A flusher and a commit once the write has copied its blocks into the cache.
+    let new = pattern(200_000, 2);
+    beside_a_write(&fs, ino, 10_000, &new, true, |fs, ino| {
+        fs.writeback(ino, u64::MAX).unwrap();
+        fs.commit_tree().unwrap();
+    });
+    crash_shows_old_or_appended(&dev, ino, &old, &new);
+}
+
+#[test]
+fn a_commit_before_an_extending_write_copies_keeps_the_old_size() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o);
+    let ino = file(&fs, b"f");
+    let old = pattern(10_000, 1);
+    fs.write(ino, 0, &old).unwrap();
+    fs.commit().unwrap();
+    // The write has counted its size and has nothing in the cache yet.
+    let new = pattern(200_000, 2);
+    beside_a_write(&fs, ino, 10_000, &new, false, |fs, _| {
+        fs.commit_tree().unwrap()
+    });
+    crash_shows_old_or_appended(&dev, ino, &old, &new);
+    assert_eq!(fs.getattr(ino).unwrap().size, 210_000);
+    fs.commit().unwrap();
+    crash_shows_old_or_appended(&dev, ino, &old, &new);
+    assert_eq!(crashed(&dev).getattr(ino).unwrap().size, 210_000);
+}
+
+#[test]
+fn a_write_stopped_before_it_copied_keeps_the_old_size() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    let old = pattern(10_000, 1);
+    fs.write(ino, 0, &old).unwrap();
+    fs.commit().unwrap();
+    let map = fs.with(|i| i.extent_map(ino)).unwrap();
+    assert_eq!((map.len(), map[0].len), (1, 3 * BS));
+    fs.unmount().unwrap();
+    // Damage the third block, which the next write must read first (it covers part).
+    let mut img = dev.image();
+    img[map[0].disk_addr as usize + 9_000] ^= 0xff;
+    let fs = Fs::open(Arc::new(MemDev::from_image(img)), o).unwrap();
+    assert!(fs.write(ino, 9_000, &pattern(200_000, 2)).is_err());
+    assert_eq!(fs.getattr(ino).unwrap().size, 10_000);
+    fs.commit().unwrap();
+    assert_eq!(fs.getattr(ino).unwrap().size, 10_000);
+}

@@ -407,31 +407,66 @@ impl Inner {
     /// (its own worst case plus every dirty block); returns the file size. The tree
     /// nodes that writeback will copy get a margin on top (1/32: checksums, extent
     /// items and the nodes holding them), so the reservation holds at writeback.
-    pub(crate) fn write_begin(&mut self, ino: u64, room: u64) -> Result<u64> {
+    /// A write ending at `end` is noted as under way, its size counted before any of
+    /// its blocks reaches the cache (writeback mapping them must know the size they
+    /// lie within); [`Inner::note_write`] ends it.
+    pub(crate) fn write_begin(&mut self, ino: u64, room: u64, end: Option<u64>) -> Result<u64> {
         self.store.writable()?;
         let i = self.check_file(ino)?;
         if !self.store.alloc.has_room(room + room / 32 + 2 * BS) {
             return Err(Error::NoSpace);
         }
+        if let Some(end) = end {
+            let p = self.pending.entry(ino).or_insert(super::PendingAttr {
+                // Without an entry, the item read is the stored one: its size is on disk.
+                size: i.size.get(),
+                mtime: i.mtime,
+                ctime: i.ctime,
+                disk_size: i.size.get(),
+                writing: false,
+            });
+            p.size = p.size.max(end);
+            p.writing = true;
+        }
         Ok(i.size.get())
     }
 
-    /// Records a cached write of `ino` that ended at `end`: size and times, held in
-    /// `pending` until writeback or the next change of the inode item.
-    pub(crate) fn note_write(&mut self, ino: u64, end: u64) -> Result<()> {
-        let i = self.get_inode(ino)?;
-        let now = Timespec::now();
-        // Without an entry, the item read is the stored one: its size is on disk.
-        let disk_size = self.pending.get(&ino).map_or(i.size.get(), |p| p.disk_size);
-        self.pending.insert(
-            ino,
-            super::PendingAttr {
-                size: i.size.get().max(end),
-                mtime: now,
-                ctime: now,
-                disk_size,
-            },
-        );
+    /// Ends a cached write of `ino` begun at size `before` that copied up to `end`
+    /// (short of its own end when an error stopped it): the size is what the write
+    /// reached; times change when it `wrote` anything.
+    pub(crate) fn note_write(
+        &mut self,
+        ino: u64,
+        before: u64,
+        end: u64,
+        wrote: bool,
+    ) -> Result<()> {
+        if !self.pending.contains_key(&ino) {
+            // A store of the inode took the entry: the tree holds the whole size.
+            let i = self.get_inode(ino)?;
+            self.pending.insert(
+                ino,
+                super::PendingAttr {
+                    size: i.size.get(),
+                    mtime: i.mtime,
+                    ctime: i.ctime,
+                    disk_size: i.size.get(),
+                    writing: false,
+                },
+            );
+        }
+        let Some(p) = self.pending.get_mut(&ino) else {
+            return Ok(());
+        };
+        // Writers of a file take turns (its lock), so nothing else moved the size.
+        p.size = before.max(end);
+        p.disk_size = p.disk_size.min(p.size);
+        p.writing = false;
+        if wrote {
+            let now = Timespec::now();
+            p.mtime = now;
+            p.ctime = now;
+        }
         Ok(())
     }
 
@@ -468,8 +503,9 @@ impl Inner {
         let Some(p) = self.pending.get_mut(&ino) else {
             return Ok(());
         };
-        // A writeback in flight keeps the inode listed as dirty until it has mapped.
-        if !self.cache.has_dirty(ino) {
+        // A writeback in flight keeps the inode listed as dirty until it has mapped;
+        // a write under way has counted its size before its blocks are dirty.
+        if !self.cache.has_dirty(ino) && !p.writing {
             p.disk_size = p.size;
         }
         match self.get_inode_opt(ino)? {
@@ -491,7 +527,7 @@ impl Inner {
         let inos: Vec<u64> = self
             .pending
             .iter()
-            .filter(|(ino, p)| p.disk_size == p.size || !self.cache.has_dirty(**ino))
+            .filter(|(ino, p)| p.disk_size == p.size || !(p.writing || self.cache.has_dirty(**ino)))
             .map(|(ino, _)| *ino)
             .collect();
         for ino in inos {

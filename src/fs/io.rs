@@ -11,7 +11,8 @@
 //! Locks: writeback of one inode at a time (`wb_locks`, sharded, taken after the file
 //! lock and before `commit_lock`). Writers do not take it: writeback clears the dirty
 //! bits of what it copies, and a block dirtied again meanwhile is simply written again
-//! later. Truncate, hole punching and preallocation take both the file lock and the
+//! later. A write notes the size it makes before it copies, so writeback never maps
+//! blocks past a size it does not know. Truncate, hole punching and preallocation take both the file lock and the
 //! writeback lock, write back, and drop the folios they change. Cloning takes those
 //! of both files, each pair in shard order, and drops the target's folios.
 
@@ -135,9 +136,15 @@ impl Fs {
         } else {
             end.div_ceil(fsz) * fsz - offset / fsz * fsz
         };
-        let size = self.with_space(|i| i.write_begin(ino, worst + cache.dirty_bytes()))?;
+        let size = self.with_space(|i| {
+            i.write_begin(ino, worst + cache.dirty_bytes(), (len > 0).then_some(end))
+        })?;
         if len == 0 {
             return Ok(0);
+        }
+        #[cfg(test)]
+        if let Some(hook) = &*self.write_hook.lock() {
+            hook(false);
         }
         let mut pos = offset;
         let mut err = None;
@@ -150,10 +157,12 @@ impl Fs {
             pos = (pos / fsz + 1) * fsz;
         }
         let pos = pos.min(end);
-        if pos > offset {
-            self.with(|i| i.note_write(ino, pos))?;
-            Stats::add(&self.stats.user_bytes, pos - offset);
+        #[cfg(test)]
+        if let Some(hook) = &*self.write_hook.lock() {
+            hook(true);
         }
+        self.with(|i| i.note_write(ino, size, pos, pos > offset))?;
+        Stats::add(&self.stats.user_bytes, pos - offset);
         if let Some(e) = err {
             if pos == offset {
                 return Err(e);

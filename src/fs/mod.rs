@@ -146,6 +146,9 @@ pub(crate) struct PendingAttr {
     /// The largest size the tree may hold: the end of the data written back so far
     /// (like ext4's `i_disksize`), so a crash never shows a size past its data.
     disk_size: u64,
+    /// A write is copying into the cache: `size` already counts it, and only
+    /// writeback of its data moves `disk_size` towards it.
+    writing: bool,
 }
 
 pub(crate) struct Inner {
@@ -160,6 +163,10 @@ pub(crate) struct Inner {
     /// Extent maps of the files used lately (seed 2).
     maps: crate::extent_map::MapCache,
 }
+
+/// Tests: a function a write calls while under way (see `Fs::write_hook`).
+#[cfg(test)]
+pub(crate) type WriteHook = Box<dyn Fn(bool) + Send + Sync>;
 
 /// A mounted birchfs: the library's front door. All methods are thread-safe.
 pub struct Fs {
@@ -187,6 +194,10 @@ pub struct Fs {
     ra_thread: std::sync::atomic::AtomicBool,
     /// Buffers for writeback runs (one extent each), reused from run to run.
     run_bufs: crate::dev::BufPool,
+    /// Tests: runs inside a write under way, before its copy into the cache (with
+    /// `false`) and after it (`true`).
+    #[cfg(test)]
+    pub(crate) write_hook: Mutex<Option<WriteHook>>,
 }
 
 /// Shards of the per-file lock table.
@@ -260,6 +271,8 @@ impl Fs {
                 crate::format::MAX_EXTENT_SIZE as usize,
                 RUN_BUFS_KEPT,
             ),
+            #[cfg(test)]
+            write_hook: Mutex::new(None),
         };
         if !fs.opts.readonly {
             let n = fs.inner.lock().free_orphans()?;
