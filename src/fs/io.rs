@@ -12,9 +12,10 @@
 //! lock and before `commit_lock`). Writers do not take it: writeback clears the dirty
 //! bits of what it copies, and a block dirtied again meanwhile is simply written again
 //! later. A write notes the size it makes before it copies, so writeback never maps
-//! blocks past a size it does not know. Truncate, hole punching and preallocation take both the file lock and the
-//! writeback lock, write back, and drop the folios they change. Cloning takes those
-//! of both files, each pair in shard order, and drops the target's folios.
+//! blocks past a size it does not know. Truncate, hole punching and preallocation take
+//! both the file lock and the writeback lock, write back, and drop the folios they
+//! change. Cloning takes those of both files, each pair in shard order, and drops the
+//! target's folios.
 
 use std::sync::Arc;
 
