@@ -40,6 +40,15 @@ fn file(fs: &Fs, name: &[u8]) -> u64 {
         .ino
 }
 
+/// Sets the mode of `ino`: an attribute change that stores its inode item.
+fn chmod(fs: &Fs, ino: u64, mode: u32) {
+    let set = SetAttr {
+        mode: Some(mode),
+        ..SetAttr::default()
+    };
+    fs.setattr(ino, &set).unwrap();
+}
+
 /// Bytes of a pseudo-random pattern, different for each `seed`.
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -237,14 +246,7 @@ fn sizes_and_times_of_cached_writes_reach_the_tree_with_their_data() {
     let a = fs.getattr(ino).unwrap();
     assert_eq!(a.size, 5004);
     // An attribute change in between keeps the cached size.
-    fs.setattr(
-        ino,
-        &SetAttr {
-            mode: Some(0o600),
-            ..SetAttr::default()
-        },
-    )
-    .unwrap();
+    chmod(&fs, ino, 0o600);
     assert_eq!(fs.getattr(ino).unwrap().size, 5004);
     let fs = remount(&dev, fs, o);
     let b = fs.getattr(ino).unwrap();
@@ -480,14 +482,7 @@ fn a_commit_records_a_cached_size_only_with_its_data() {
     // An append that stays cached, an attribute change that stores the inode, and a
     // commit of the trees that writes nothing back.
     fs.write(ino, 10_000, &pattern(20_000, 2)).unwrap();
-    fs.setattr(
-        ino,
-        &SetAttr {
-            mode: Some(0o600),
-            ..SetAttr::default()
-        },
-    )
-    .unwrap();
+    chmod(&fs, ino, 0o600);
     assert_eq!(fs.getattr(ino).unwrap().size, 30_000);
     fs.commit_tree().unwrap();
     let after = crashed(&dev);
@@ -576,14 +571,19 @@ fn crash_shows_old_or_appended(dev: &Arc<MemDev>, ino: u64, old: &[u8], new: &[u
     assert!(after.read(ino, 0, ext as u32).unwrap() == want);
 }
 
-#[test]
-fn writeback_during_an_extending_write_maps_its_blocks_within_its_size() {
-    let o = opts(64 * MB, 64 << 10, true);
-    let (dev, fs) = mk(64 * MB, o);
+/// A filesystem holding one committed 10,000-byte file: (device, fs, inode, bytes).
+fn a_committed_file() -> (Arc<MemDev>, Fs, u64, Vec<u8>) {
+    let (dev, fs) = mk(64 * MB, opts(64 * MB, 64 << 10, true));
     let ino = file(&fs, b"f");
     let old = pattern(10_000, 1);
     fs.write(ino, 0, &old).unwrap();
     fs.commit().unwrap();
+    (dev, fs, ino, old)
+}
+
+#[test]
+fn writeback_during_an_extending_write_maps_its_blocks_within_its_size() {
+    let (dev, fs, ino, old) = a_committed_file();
     // A flusher and a commit once the write has copied its blocks into the cache.
     let new = pattern(200_000, 2);
     beside_a_write(&fs, ino, 10_000, &new, true, |fs, ino| {
@@ -595,12 +595,7 @@ fn writeback_during_an_extending_write_maps_its_blocks_within_its_size() {
 
 #[test]
 fn a_commit_before_an_extending_write_copies_keeps_the_old_size() {
-    let o = opts(64 * MB, 64 << 10, true);
-    let (dev, fs) = mk(64 * MB, o);
-    let ino = file(&fs, b"f");
-    let old = pattern(10_000, 1);
-    fs.write(ino, 0, &old).unwrap();
-    fs.commit().unwrap();
+    let (dev, fs, ino, old) = a_committed_file();
     // The write has counted its size and has nothing in the cache yet.
     let new = pattern(200_000, 2);
     beside_a_write(&fs, ino, 10_000, &new, false, |fs, _| {
@@ -615,19 +610,14 @@ fn a_commit_before_an_extending_write_copies_keeps_the_old_size() {
 
 #[test]
 fn a_write_stopped_before_it_copied_keeps_the_old_size() {
-    let o = opts(64 * MB, 64 << 10, true);
-    let (dev, fs) = mk(64 * MB, o.clone());
-    let ino = file(&fs, b"f");
-    let old = pattern(10_000, 1);
-    fs.write(ino, 0, &old).unwrap();
-    fs.commit().unwrap();
+    let (dev, fs, ino, _) = a_committed_file();
     let map = fs.with(|i| i.extent_map(ino)).unwrap();
     assert_eq!((map.len(), map[0].len), (1, 3 * BS));
     fs.unmount().unwrap();
     // Damage the third block, which the next write must read first (it covers part).
     let mut img = dev.image();
     img[map[0].disk_addr as usize + 9_000] ^= 0xff;
-    let fs = Fs::open(Arc::new(MemDev::from_image(img)), o).unwrap();
+    let fs = Fs::open(Arc::new(MemDev::from_image(img)), Options::default()).unwrap();
     assert!(fs.write(ino, 9_000, &pattern(200_000, 2)).is_err());
     assert_eq!(fs.getattr(ino).unwrap().size, 10_000);
     fs.commit().unwrap();
