@@ -417,14 +417,11 @@ impl Inner {
             return Err(Error::NoSpace);
         }
         if let Some(end) = end {
-            let p = self.pending.entry(ino).or_insert(super::PendingAttr {
-                // Without an entry, the item read is the stored one: its size is on disk.
-                size: i.size.get(),
-                mtime: i.mtime,
-                ctime: i.ctime,
-                disk_size: i.size.get(),
-                writing: false,
-            });
+            // Without an entry, the item read is the stored one.
+            let p = self
+                .pending
+                .entry(ino)
+                .or_insert_with(|| super::PendingAttr::of(&i));
             p.size = p.size.max(end);
             p.writing = true;
         }
@@ -444,16 +441,7 @@ impl Inner {
         if !self.pending.contains_key(&ino) {
             // A store of the inode took the entry: the tree holds the whole size.
             let i = self.get_inode(ino)?;
-            self.pending.insert(
-                ino,
-                super::PendingAttr {
-                    size: i.size.get(),
-                    mtime: i.mtime,
-                    ctime: i.ctime,
-                    disk_size: i.size.get(),
-                    writing: false,
-                },
-            );
+            self.pending.insert(ino, super::PendingAttr::of(&i));
         }
         let Some(p) = self.pending.get_mut(&ino) else {
             return Ok(());
@@ -503,9 +491,7 @@ impl Inner {
         let Some(p) = self.pending.get_mut(&ino) else {
             return Ok(());
         };
-        // A writeback in flight keeps the inode listed as dirty until it has mapped;
-        // a write under way has counted its size before its blocks are dirty.
-        if !self.cache.has_dirty(ino) && !p.writing {
+        if p.data_written(&self.cache, ino) {
             p.disk_size = p.size;
         }
         match self.get_inode_opt(ino)? {
@@ -527,7 +513,7 @@ impl Inner {
         let inos: Vec<u64> = self
             .pending
             .iter()
-            .filter(|(ino, p)| p.disk_size == p.size || !(p.writing || self.cache.has_dirty(**ino)))
+            .filter(|(ino, p)| p.disk_size == p.size || p.data_written(&self.cache, **ino))
             .map(|(ino, _)| *ino)
             .collect();
         for ino in inos {

@@ -151,6 +151,26 @@ pub(crate) struct PendingAttr {
     writing: bool,
 }
 
+impl PendingAttr {
+    /// The entry of an inode whose stored item holds all there is: its size is on disk.
+    fn of(i: &crate::format::InodeItem) -> PendingAttr {
+        PendingAttr {
+            size: i.size.get(),
+            mtime: i.mtime,
+            ctime: i.ctime,
+            disk_size: i.size.get(),
+            writing: false,
+        }
+    }
+
+    /// Whether all the data of `ino`'s size has left the cache: no write is under way
+    /// and nothing is dirty (a writeback in flight keeps the inode listed as dirty
+    /// until it has mapped), so the tree may take the whole size.
+    fn data_written(&self, cache: &PageCache, ino: u64) -> bool {
+        !self.writing && !cache.has_dirty(ino)
+    }
+}
+
 pub(crate) struct Inner {
     pub(crate) store: Store,
     next_ino: u64,
