@@ -49,6 +49,15 @@ fn chmod(fs: &Fs, ino: u64, mode: u32) {
     fs.setattr(ino, &set).unwrap();
 }
 
+/// Sets the size of `ino` (truncates or extends it).
+fn set_size(fs: &Fs, ino: u64, size: u64) {
+    let set = SetAttr {
+        size: Some(size),
+        ..SetAttr::default()
+    };
+    fs.setattr(ino, &set).unwrap();
+}
+
 /// Bytes of a pseudo-random pattern, different for each `seed`.
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -215,13 +224,9 @@ fn truncate_and_punch_meet_cached_data() {
     fs.fsync(ino, false).unwrap();
     fs.write(ino, 100_000, &[9; 150_000]).unwrap(); // dirty, not written back
     want[100_000..250_000].fill(9);
-    let cut = |n: u64| SetAttr {
-        size: Some(n),
-        ..SetAttr::default()
-    };
-    fs.setattr(ino, &cut(123_457)).unwrap();
+    set_size(&fs, ino, 123_457);
     want.truncate(123_457);
-    fs.setattr(ino, &cut(200_000)).unwrap();
+    set_size(&fs, ino, 200_000);
     want.resize(200_000, 0);
     assert_eq!(fs.read(ino, 0, 300_000).unwrap(), want);
     fs.write(ino, 10_000, &[3; 20_000]).unwrap();
@@ -342,14 +347,7 @@ fn a_readahead_thread_reads_the_next_window_ahead_of_the_reader() {
     // A file deleted or cut short under a queued window is no error.
     fs.queue_readahead(ino, 30 * MB, 34 * MB);
     fs.readahead_step(Duration::ZERO).unwrap();
-    fs.setattr(
-        ino,
-        &SetAttr {
-            size: Some(MB),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    set_size(&fs, ino, MB);
     fs.queue_readahead(ino, 4 * MB, 8 * MB);
     fs.readahead_step(Duration::ZERO).unwrap();
     assert_eq!(fs.read(ino, 0, 4096).unwrap(), &data[..4096]);
@@ -433,14 +431,7 @@ fn reused_folio_buffers_never_show_old_bytes() {
         // set by truncate.
         fs.write(ino, 0, b"head").unwrap();
         fs.write(ino, 200 << 10, &[7u8; 10]).unwrap();
-        fs.setattr(
-            ino,
-            &SetAttr {
-                size: Some(300 << 10),
-                ..SetAttr::default()
-            },
-        )
-        .unwrap();
+        set_size(&fs, ino, 300 << 10);
         if round % 2 == 1 {
             fs.fsync(ino, false).unwrap();
         }
@@ -558,15 +549,7 @@ fn crash_shows_old_or_appended(dev: &Arc<MemDev>, ino: u64, old: &[u8], new: &[u
         want.extend_from_slice(new);
     }
     let ext = 2 * (old.len() + new.len());
-    after
-        .setattr(
-            ino,
-            &SetAttr {
-                size: Some(ext as u64),
-                ..SetAttr::default()
-            },
-        )
-        .unwrap();
+    set_size(&after, ino, ext as u64);
     want.resize(ext, 0);
     assert!(after.read(ino, 0, ext as u32).unwrap() == want);
 }
