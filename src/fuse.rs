@@ -624,7 +624,13 @@ impl Filesystem for FuseFs {
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             self.drop_privs(ino, true);
         }
-        match self.fs.write(ino, offset, data) {
+        // Page-cache writeback: the kernel owns the times of what it cached.
+        let r = if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+            self.fs.write_cached(ino, offset, data)
+        } else {
+            self.fs.write(ino, offset, data)
+        };
+        match r {
             Ok(n) => reply.written(n as u32),
             Err(e) => reply.error(errno(&e)),
         }

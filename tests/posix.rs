@@ -1633,6 +1633,40 @@ fn write_and_truncate_update_mtime_and_ctime() {
     m.unmount();
 }
 
+/// With the kernel's writeback cache the kernel keeps a written file's times and
+/// sends them itself when they change: what stat showed before a remount is what is
+/// stored, also when the data reaches the daemon ticks after the write (here at an
+/// fsync). Several files, so that some are written in the tick they were created in
+/// (the kernel then sends no times at all).
+#[test]
+fn times_of_cached_writes_are_the_ones_the_kernel_showed() {
+    let mut m = Mount::new();
+    let names: Vec<String> = (0..6).map(|n| format!("f{n}")).collect();
+    for name in &names {
+        let f = open_rw_create(&m.path(name));
+        f.write_all_at(b"written right after the create", 0)
+            .unwrap();
+        tick();
+        f.sync_all().unwrap();
+    }
+    let before: Vec<_> = names.iter().map(|n| stat(&m.path(n))).collect();
+    m.remount();
+    for (name, s0) in names.iter().zip(&before) {
+        let s1 = stat(&m.path(name));
+        assert_eq!(
+            mtime(&s1),
+            mtime(s0),
+            "{name}: mtime as the kernel showed it"
+        );
+        assert_eq!(
+            ctime(&s1),
+            ctime(s0),
+            "{name}: ctime as the kernel showed it"
+        );
+    }
+    m.unmount();
+}
+
 #[test]
 fn metadata_changes_update_ctime_only() {
     let mut m = Mount::new();

@@ -430,13 +430,13 @@ impl Inner {
 
     /// Ends a cached write of `ino` begun at size `before` that copied up to `end`
     /// (short of its own end when an error stopped it): the size is what the write
-    /// reached; times change when it `wrote` anything.
+    /// reached; the time of the write becomes the file's mtime and ctime if `stamp`.
     pub(crate) fn note_write(
         &mut self,
         ino: u64,
         before: u64,
         end: u64,
-        wrote: bool,
+        stamp: bool,
     ) -> Result<()> {
         if !self.pending.contains_key(&ino) {
             // A store of the inode took the entry: the tree holds the whole size.
@@ -450,7 +450,7 @@ impl Inner {
         p.size = before.max(end);
         p.disk_size = p.disk_size.min(p.size);
         p.writing = false;
-        if wrote {
+        if stamp {
             let now = Timespec::now();
             p.mtime = now;
             p.ctime = now;

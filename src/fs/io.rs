@@ -123,6 +123,20 @@ impl Fs {
     /// The data lands in the page cache; space is reserved (ENOSPC comes here, not at
     /// writeback) but allocated only at writeback.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        self.write_as(ino, offset, data, true)
+    }
+
+    /// [`Fs::write`] of data the kernel's writeback cache sends: the kernel keeps the
+    /// file's mtime and ctime itself and sends them when they change (a SETATTR at
+    /// fsync, close or writeback), so this write leaves them alone. Stamping them
+    /// here would store a time the kernel never showed (the write may come long
+    /// after the `write(2)`, or after the kernel's SETATTR).
+    pub fn write_cached(&self, ino: u64, offset: u64, data: &[u8]) -> Result<usize> {
+        self.write_as(ino, offset, data, false)
+    }
+
+    /// [`Fs::write`], stamping the file's times with the time of the write if `stamp`.
+    fn write_as(&self, ino: u64, offset: u64, data: &[u8], stamp: bool) -> Result<usize> {
         Self::live(ino)?;
         let _f = self.file_lock(ino).write();
         let len = data.len() as u64;
@@ -162,7 +176,7 @@ impl Fs {
         if let Some(hook) = &*self.write_hook.lock() {
             hook(true);
         }
-        self.with(|i| i.note_write(ino, size, pos, pos > offset))?;
+        self.with(|i| i.note_write(ino, size, pos, stamp && pos > offset))?;
         Stats::add(&self.stats.user_bytes, pos - offset);
         if let Some(e) = err {
             if pos == offset {
