@@ -37,9 +37,25 @@ impl Timespec {
             nsec: nsec.into(),
         }
     }
-    /// The current time.
+    /// The current time, from the clock the kernel stamps inodes with.
+    ///
+    /// That is the coarse realtime clock (advanced once a tick), as for ext4 or
+    /// XFS without fine-grained timestamps. With FUSE's writeback cache the kernel
+    /// keeps a written file's mtime itself and sends it back (a SETATTR) when it
+    /// changed, at fsync or writeback: a file created, written and fsynced within
+    /// one tick then costs no SETATTR round trip, where the precise clock's
+    /// creation time would always differ from the kernel's.
     pub fn now() -> Timespec {
-        Self::from_system(std::time::SystemTime::now())
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
+        if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) } == 0 {
+            Timespec::new(ts.tv_sec, ts.tv_nsec as u32)
+        } else {
+            Self::from_system(std::time::SystemTime::now())
+        }
     }
     /// From a `SystemTime`, including times before the epoch.
     pub fn from_system(t: std::time::SystemTime) -> Timespec {
