@@ -7,6 +7,8 @@
 
 use std::time::Instant;
 
+use crate::dev::AlignedBuf;
+
 /// Most blocks a folio can hold: 1 MiB of 4 KiB blocks.
 pub(crate) const MAX_BLOCKS: usize = 256;
 
@@ -71,8 +73,9 @@ impl Bitmap {
 /// The cached bytes of one folio and the state of each of its blocks.
 #[derive(Debug)]
 pub(crate) struct Folio {
-    /// The folio's bytes; those of blocks that are not uptodate are left over.
-    pub(crate) data: Box<[u8]>,
+    /// The folio's bytes (aligned: the device reads into them directly); those of
+    /// blocks that are not uptodate are left over.
+    pub(crate) data: AlignedBuf,
     /// Blocks whose bytes are the file's current contents.
     pub(crate) uptodate: Bitmap,
     /// Blocks newer than the device (each also uptodate).
@@ -85,12 +88,12 @@ impl Folio {
     /// An empty folio of `size` bytes: nothing uptodate, nothing dirty.
     #[cfg(test)]
     pub(crate) fn new(size: usize) -> Folio {
-        Folio::with_buffer(vec![0u8; size].into_boxed_slice())
+        Folio::with_buffer(AlignedBuf::zeroed(size))
     }
 
     /// An empty folio over `data`, whose bytes mean nothing until their block is
     /// uptodate: whoever makes a block uptodate writes all of it.
-    pub(crate) fn with_buffer(data: Box<[u8]>) -> Folio {
+    pub(crate) fn with_buffer(data: AlignedBuf) -> Folio {
         Folio {
             data,
             uptodate: Bitmap::default(),

@@ -3,5 +3,6 @@
 mod folio;
 mod page_cache;
 
+pub(crate) use folio::Folio;
 pub use page_cache::{default_cache_size, CacheOptions};
 pub(crate) use page_cache::{CachedFolio, PageCache};

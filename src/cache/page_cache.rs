@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::folio::{Folio, MAX_BLOCKS};
+use crate::dev::AlignedBuf;
 use crate::format::BLOCK_SIZE;
 
 const BS: u64 = BLOCK_SIZE;
@@ -101,6 +102,8 @@ pub(crate) struct CachedFolio {
 #[derive(Debug, Clone, Copy)]
 struct Readahead {
     window: u64,
+    /// The furthest end of the stream's reads so far.
+    next: u64,
 }
 
 /// The dirty state of one inode.
@@ -136,7 +139,7 @@ pub(crate) struct PageCache {
     kick: (Mutex<bool>, Condvar),
     /// Buffers of evicted folios, reused for new ones: the daemon's memory then stays
     /// near `cache_size` instead of growing with the allocator's per-thread slack.
-    spare: Mutex<Vec<Box<[u8]>>>,
+    spare: Mutex<Vec<AlignedBuf>>,
     /// Folios written back whole, oldest first, with the use they were queued at:
     /// dropped behind the writer once more than `behind_limit` bytes of them wait,
     /// unless used since (see [`PageCache::drop_behind`]).
@@ -208,10 +211,10 @@ impl PageCache {
 
     /// A folio buffer, reused when one is spare (and then not zeroed: a folio's
     /// bytes count only in blocks made uptodate, which are written whole).
-    fn buffer(&self) -> Box<[u8]> {
+    fn buffer(&self) -> AlignedBuf {
         match self.spare.lock().pop() {
             Some(b) => b,
-            None => vec![0u8; self.opts.folio_size as usize].into_boxed_slice(),
+            None => AlignedBuf::zeroed(self.opts.folio_size as usize),
         }
     }
 
@@ -479,17 +482,26 @@ impl PageCache {
         self.bytes() > limit
     }
 
-    /// How far past its end to read for a read of `ino`: a window that doubles
-    /// while reads continue a stream (`sequential`: what comes before the read is
-    /// cached, as the kernel decides), and nothing for a random read.
-    pub(crate) fn readahead(&self, ino: u64, sequential: bool) -> u64 {
+    /// How far past its end to read for the read `start..end` of `ino`: a window
+    /// that doubles while reads continue a stream, and nothing for a random read.
+    ///
+    /// A read continues a stream when it is `adjacent` (what comes before it is
+    /// cached, or it starts the file) or starts within [`RA_MAX`] of the furthest
+    /// end the stream reached: the kernel sends a stream's reads from several
+    /// threads at once, so they arrive out of order by up to its own readahead.
+    pub(crate) fn readahead(&self, ino: u64, start: u64, end: u64, adjacent: bool) -> u64 {
         let mut st = self.state.lock();
-        let ra = st.readahead.entry(ino).or_insert(Readahead { window: 0 });
-        ra.window = match (sequential, ra.window) {
+        let ra = st
+            .readahead
+            .entry(ino)
+            .or_insert(Readahead { window: 0, next: 0 });
+        let near = ra.window > 0 && start.abs_diff(ra.next) <= RA_MAX;
+        ra.window = match (adjacent || near, ra.window) {
             (false, _) => 0,
             (true, 0) => RA_INITIAL,
             (true, w) => (w * 2).min(RA_MAX),
         };
+        ra.next = if ra.window > 0 { ra.next.max(end) } else { end };
         ra.window
     }
 
@@ -655,11 +667,32 @@ mod tests {
     #[test]
     fn readahead_grows_with_a_stream_and_stops_for_random_reads() {
         let c = cache(1 << 20);
-        let windows: Vec<u64> = (0..8).map(|_| c.readahead(9, true)).collect();
+        const MB: u64 = 1 << 20;
+        let windows: Vec<u64> = (0..8)
+            .map(|k| c.readahead(9, k * MB, (k + 1) * MB, true))
+            .collect();
         assert_eq!(windows[0], RA_INITIAL);
         assert!(windows.windows(2).all(|w| w[1] >= w[0]));
         assert_eq!(*windows.last().unwrap(), RA_MAX);
-        assert_eq!(c.readahead(9, false), 0);
-        assert_eq!(c.readahead(9, true), RA_INITIAL);
+        // Far from the stream and nothing cached before it: a random read.
+        assert_eq!(c.readahead(9, 100 * MB, 100 * MB + 4096, false), 0);
+        assert_eq!(c.readahead(9, 0, MB, true), RA_INITIAL);
+    }
+
+    #[test]
+    fn readahead_keeps_a_stream_whose_reads_arrive_out_of_order() {
+        let c = cache(1 << 20);
+        const MB: u64 = 1 << 20;
+        assert_eq!(c.readahead(9, 0, MB, true), RA_INITIAL);
+        // The read after next overtook the next one: not adjacent, but near.
+        assert_eq!(c.readahead(9, 2 * MB, 3 * MB, false), 2 * RA_INITIAL);
+        assert_eq!(c.readahead(9, MB, 2 * MB, false), 4 * RA_INITIAL);
+        // A read beyond the stream's reach starts over.
+        assert_eq!(
+            c.readahead(9, 3 * MB + RA_MAX + 1, 4 * MB + RA_MAX, false),
+            0
+        );
+        // And a read near where that one ended does not count as the old stream's.
+        assert_eq!(c.readahead(9, 2 * MB, 3 * MB, false), 0);
     }
 }

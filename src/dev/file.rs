@@ -17,8 +17,8 @@
 //! image file a batch of several MiB (a large commit's nodes) goes the same way: left
 //! in the host cache, it would be written out by the next fsync's fdatasync, which
 //! then waited tens of milliseconds for the commit's blocks. Large
-//! reads of one batch (`read_many`: the extents of a readahead window) go out the
-//! same way, on files and devices alike.
+//! reads of one batch (`read_many`: a readahead window, read straight into its folios
+//! piece by piece) go out the same way, on files and devices alike.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -373,11 +373,26 @@ impl BlockDev for FileDev {
     }
     fn read_many(&self, reads: &mut [(&mut [u8], u64)]) -> io::Result<()> {
         // Large aligned reads into aligned buffers go direct, in flight together; the
-        // rest one at a time.
+        // rest one at a time. A batch of aligned reads that is large as a whole (a
+        // readahead window read straight into its folios) goes direct piece by piece.
+        let direct_ok = |b: &[u8], off: u64| {
+            self.direct.is_some()
+                && b.as_ptr() as usize % DIRECT_ALIGN == 0
+                && aligned(b.len(), off)
+        };
+        let total: usize = reads
+            .iter()
+            .filter(|(b, off)| direct_ok(b, *off))
+            .map(|(b, _)| b.len())
+            .sum();
+        let min = if total >= DIRECT_MIN {
+            DIRECT_ALIGN
+        } else {
+            DIRECT_MIN
+        };
         let mut ops: Vec<RingOp> = Vec::new();
         for (buf, off) in reads.iter_mut() {
-            let ringable = buf.as_ptr() as usize % DIRECT_ALIGN == 0
-                && self.direct_for(buf.len(), *off).is_some();
+            let ringable = buf.len() >= min && direct_ok(buf, *off);
             if ringable {
                 ops.push(RingOp {
                     ptr: buf.as_mut_ptr(),
@@ -515,6 +530,34 @@ mod tests {
             dev.read_at(chunk, (k as u64) << 20).unwrap();
         }
         assert!(got == want, "write_many wrote something else than asked");
+    }
+
+    #[test]
+    fn read_many_sends_small_aligned_pieces_of_a_large_batch_direct() {
+        let (_d, dev) = device();
+        let want = pattern(16 << 20, 0x5e);
+        dev.write_at(&want, 0).unwrap();
+        dev.flush().unwrap();
+        // A readahead window read into its folios: 64 KiB buffers, 4 MiB in all,
+        // from scattered places.
+        let mut bufs: Vec<AlignedBuf> = (0..64).map(|_| AlignedBuf::zeroed(64 << 10)).collect();
+        let offs: Vec<u64> = (0..64u64).map(|k| (k * 37 % 256) << 16).collect();
+        let mut reads: Vec<(&mut [u8], u64)> = bufs
+            .iter_mut()
+            .zip(&offs)
+            .map(|(b, &off)| (&mut b[..], off))
+            .collect();
+        dev.read_many(&mut reads).unwrap();
+        for (b, &off) in bufs.iter().zip(&offs) {
+            assert!(
+                b[..] == want[off as usize..off as usize + (64 << 10)],
+                "at {off}"
+            );
+        }
+        if dev.direct.is_some() {
+            let tried = RING.with(|r| r.borrow().as_ref().map(|ring| ring.is_some()));
+            assert!(tried.is_some(), "the pieces were read one at a time");
+        }
     }
 
     #[test]

@@ -606,3 +606,79 @@ fn a_write_stopped_before_it_copied_keeps_the_old_size() {
     fs.commit().unwrap();
     assert_eq!(fs.getattr(ino).unwrap().size, 10_000);
 }
+
+#[test]
+fn reads_fill_folios_straight_from_the_device_around_holes_and_cached_blocks() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    // Extents of several commits, a hole, an overwrite in the middle of an extent
+    // (so a piece starts inside its extent) and a tail that ends mid-block.
+    let mut want = vec![0u8; (3 * MB + 1234) as usize];
+    let mut put = |fs: &Fs, off: u64, data: &[u8]| {
+        fs.write(ino, off, data).unwrap();
+        want[off as usize..off as usize + data.len()].copy_from_slice(data);
+        fs.commit().unwrap();
+    };
+    put(&fs, 0, &pattern(300 << 10, 1));
+    put(&fs, MB, &pattern(MB as usize, 2));
+    put(&fs, MB + 200_000, &pattern(70_000, 3));
+    put(&fs, 2 * MB + 4096, &pattern((MB - 4096 + 1234) as usize, 4));
+    let fs = remount(&dev, fs, o);
+    // Some blocks already cached: folios the fills must go around.
+    assert_eq!(
+        fs.read(ino, MB + 8192, 100).unwrap(),
+        &want[(MB + 8192) as usize..(MB + 8292) as usize]
+    );
+    assert_eq!(
+        fs.read(ino, 2 * MB + 40_000, 5000).unwrap(),
+        &want[(2 * MB + 40_000) as usize..(2 * MB + 45_000) as usize]
+    );
+    let mut got = Vec::new();
+    let chunk = 128 << 10;
+    while (got.len() as u64) < want.len() as u64 {
+        got.extend(fs.read(ino, got.len() as u64, chunk).unwrap());
+    }
+    assert!(got == want, "the file read back differs");
+    // Each data block came from the device once; holes not at all.
+    let data_blocks = fs
+        .extent_map(ino)
+        .unwrap()
+        .iter()
+        .map(|e| e.len.div_ceil(BS))
+        .sum::<u64>();
+    assert_eq!(fs.stats().dev_read_bytes, data_blocks * BS);
+}
+
+#[test]
+fn a_block_failing_its_checksum_reads_as_an_error_every_time() {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    let data = pattern(2 * MB as usize, 5);
+    fs.write(ino, 0, &data).unwrap();
+    fs.unmount().unwrap();
+    let dev = Arc::new(MemDev::from_image(dev.image()));
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    let e = fs.extent_map(ino).unwrap();
+    let bad = 3 * MB / 2;
+    let at = e
+        .iter()
+        .find(|e| e.offset <= bad && bad < e.offset + e.len)
+        .unwrap();
+    let addr = at.disk_addr + (bad - at.offset) + 7;
+    let mut b = [0u8; 1];
+    dev.read_at(&mut b, addr).unwrap();
+    dev.write_at(&[b[0] ^ 0x10], addr).unwrap();
+    assert_eq!(fs.read(ino, 0, 65536).unwrap(), &data[..65536]);
+    for _ in 0..2 {
+        // Never the bytes the device returned, however often it is asked.
+        let err = fs.read(ino, bad, 4096).unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
+    }
+    let end = 2 * MB as usize;
+    assert_eq!(
+        fs.read(ino, end as u64 - 4096, 4096).unwrap(),
+        &data[end - 4096..]
+    );
+}

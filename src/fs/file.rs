@@ -787,11 +787,82 @@ impl ReadPlan {
         Ok(())
     }
 
+    /// Reads every piece straight into `out`, the buffers that hold the planned range
+    /// in order (each with its offset in the range; together they cover it), and
+    /// verifies it; returns the parts of the range that were read (the rest is holes).
+    /// `None`, with nothing read, when a piece does not cover whole blocks: then
+    /// [`ReadPlan::for_each_piece`] has to read it into a buffer of its own.
+    ///
+    /// The device may take the buffers as they are (direct I/O into aligned ones):
+    /// this saves the copy out of a scratch buffer.
+    pub(crate) fn read_direct(
+        &self,
+        dev: &dyn BlockDev,
+        out: &mut [(usize, &mut [u8])],
+    ) -> Result<Option<Vec<(usize, usize)>>> {
+        let whole = |p: &ReadPiece| p.skip == 0 && p.take == p.blocks_len;
+        let sorted = self
+            .pieces
+            .windows(2)
+            .all(|w| w[0].out + w[0].take <= w[1].out);
+        if !sorted || !self.pieces.iter().all(whole) {
+            return Ok(None);
+        }
+        // Each piece's part of each buffer: (buffer part, device address), and the
+        // piece and offset in it that part starts at.
+        let mut reads: Vec<(&mut [u8], u64)> = Vec::new();
+        let mut at: Vec<(usize, usize)> = Vec::new();
+        let mut pieces = self.pieces.iter().enumerate().peekable();
+        for (start, buf) in out.iter_mut() {
+            let (mut pos, end) = (*start, *start + buf.len());
+            let mut rest: &mut [u8] = buf;
+            while let Some(&(n, p)) = pieces.peek() {
+                let p_end = p.out + p.take;
+                if p_end <= pos {
+                    pieces.next();
+                    continue;
+                }
+                if p.out >= end {
+                    break;
+                }
+                let from = pos.max(p.out);
+                let to = end.min(p_end);
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(from - pos);
+                let (part, tail) = tail.split_at_mut(to - from);
+                reads.push((part, p.disk + (from - p.out) as u64));
+                at.push((n, from - p.out));
+                rest = tail;
+                pos = to;
+                if to < p_end {
+                    break;
+                }
+                pieces.next();
+            }
+        }
+        dev.read_many(&mut reads)?;
+        for ((buf, _), &(n, within)) in reads.iter().zip(&at) {
+            self.verify_from(&self.pieces[n], within, buf)?;
+        }
+        Ok(Some(
+            self.pieces
+                .iter()
+                .map(|p| (p.out, p.out + p.take))
+                .collect(),
+        ))
+    }
+
     /// Checks the blocks of piece `p`, read into `buf`, against their checksums.
     fn verify(&self, p: &ReadPiece, buf: &[u8]) -> Result<()> {
+        self.verify_from(p, 0, buf)
+    }
+
+    /// Checks blocks of piece `p` from byte `from` on (a block boundary), read into
+    /// `buf`, against their checksums.
+    fn verify_from(&self, p: &ReadPiece, from: usize, buf: &[u8]) -> Result<()> {
         let sums = &self.sums[&p.extent];
+        let (within, disk) = (p.within + from as u64, p.disk + from as u64);
         for (n, block) in buf.chunks(BS as usize).enumerate() {
-            let idx = (p.within / BS) as usize + n;
+            let idx = (within / BS) as usize + n;
             let want = sums
                 .get(idx * 4..idx * 4 + 4)
                 .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
@@ -799,7 +870,7 @@ impl ReadPlan {
                     Error::corrupt("data extent", p.extent, "checksum item too short")
                 })?;
             if csum(block) != want {
-                let e = Error::corrupt("data block", p.disk + n as u64 * BS, "checksum mismatch");
+                let e = Error::corrupt("data block", disk + n as u64 * BS, "checksum mismatch");
                 tracing::error!("{e}");
                 return Err(e);
             }

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use super::Fs;
-use crate::cache::{CachedFolio, PageCache};
+use crate::cache::{CachedFolio, Folio, PageCache};
 use crate::error::{Error, Result};
 use crate::format::{BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
 use crate::stats::Stats;
@@ -282,11 +282,11 @@ impl Fs {
         let end = (offset + size as u64).min(fsize);
         let cache = &self.cache;
         let fsz = cache.folio_size();
-        // Sequential when the folio of the byte before the read is in the cache (or
-        // at the start): the kernel sends a stream's reads from several threads at
-        // once, so the block before may still be on its way in.
-        let sequential = offset == 0 || cache.has_folio(ino, (offset - 1) / fsz);
-        let ra = cache.readahead(ino, sequential);
+        // Part of a stream when the folio of the byte before the read is in the cache
+        // (or at the start), or near where the stream's reads reached (see
+        // `PageCache::readahead`).
+        let adjacent = offset == 0 || cache.has_folio(ino, (offset - 1) / fsz);
+        let ra = cache.readahead(ino, offset, end, adjacent);
         // The window is fetched in aligned pieces of its own size, so a stream reads
         // the device in large requests rather than one request-sized slice at a time.
         // With a readahead thread, this read fetches (what is missing of) the window
@@ -441,8 +441,9 @@ impl Fs {
         self.balance(ino)
     }
 
-    /// Reads the `missing` blocks of `ino` from the device into their folios, one
-    /// device read per contiguous range (ranges may span folios).
+    /// Reads the `missing` blocks of `ino` from the device into their folios, the
+    /// pieces of each contiguous range (ranges may span folios) in flight together,
+    /// straight into the folios' buffers (their locks held meanwhile).
     ///
     /// Readers filling the same stretch of a file ([`FILL_SPAN`], where the first
     /// missing block lies) take turns (`fill_locks`), and each looks again once it
@@ -497,6 +498,32 @@ impl Fs {
         }
         for (r, plan) in ranges.iter().zip(plans) {
             let group = &missing[r.2..r.3];
+            // Straight into the folios (their locks held, in file order: a range has
+            // one run per folio), unless a piece needs a buffer of its own.
+            {
+                let mut guards: Vec<_> = group.iter().map(|m| m.folio.folio.lock()).collect();
+                let mut bufs: Vec<(usize, &mut [u8])> = group
+                    .iter()
+                    .zip(guards.iter_mut())
+                    .map(|(m, g)| {
+                        let (a, b) = (m.a * BS as usize, m.b * BS as usize);
+                        ((m.off - r.0) as usize, &mut g.data[a..b])
+                    })
+                    .collect();
+                if let Some(read) = plan.read_direct(self.dev.as_ref(), &mut bufs)? {
+                    drop(bufs);
+                    let filled: Vec<(u64, u64)> = read
+                        .iter()
+                        .map(|&(s, e)| (r.0 + s as u64, r.0 + e as u64))
+                        .collect();
+                    let bytes = filled.iter().map(|(s, e)| e - s).sum();
+                    Stats::add(&self.stats.dev_read_bytes, bytes);
+                    for (m, g) in group.iter().zip(guards.iter_mut()) {
+                        Self::settle_filled(m, g, &filled);
+                    }
+                    continue;
+                }
+            }
             // File ranges the device filled; the rest of the range is holes.
             let mut filled: Vec<(u64, u64)> = Vec::new();
             // Copies verified bytes at `at` (from the range start) into the folios.
@@ -520,17 +547,22 @@ impl Fs {
                 .with(|b| plan.for_each_piece(self.dev.as_ref(), &mut b.borrow_mut(), &mut put))?;
             filled.sort_unstable();
             for m in group {
-                let me = m.off + (m.b - m.a) as u64 * BS;
-                let mut g = m.folio.folio.lock();
-                // Holes read as zeros (a folio buffer may hold an older folio's bytes).
-                let base = m.off - m.a as u64 * BS;
-                for (hs, he) in gaps(&filled, m.off, me) {
-                    g.data[(hs - base) as usize..(he - base) as usize].fill(0);
-                }
-                g.uptodate.set_range(m.a, m.b);
+                Self::settle_filled(m, &mut m.folio.folio.lock(), &filled);
             }
         }
         Ok(())
+    }
+
+    /// Marks the run `m` of a folio (`g`, locked) uptodate once the device `filled`
+    /// those file ranges (sorted) of it: the rest are holes, which read as zeros (a
+    /// folio buffer may hold an older folio's bytes).
+    fn settle_filled(m: &Missing, g: &mut Folio, filled: &[(u64, u64)]) {
+        let me = m.off + (m.b - m.a) as u64 * BS;
+        let base = m.off - m.a as u64 * BS;
+        for (hs, he) in gaps(filled, m.off, me) {
+            g.data[(hs - base) as usize..(he - base) as usize].fill(0);
+        }
+        g.uptodate.set_range(m.a, m.b);
     }
 
     /// Keeps the cache within its limits: past the dirty limit the writer writes back
