@@ -34,6 +34,20 @@ fn remount(dev: &Arc<MemDev>, fs: Fs, o: Options) -> Fs {
     Fs::open(Arc::new(MemDev::from_image(dev.image())), o).unwrap()
 }
 
+/// A file of `len` pattern bytes (`seed`), remounted so that nothing of it is cached:
+/// (its options, the device under the new mount, the fs, the inode, the bytes).
+fn a_remounted_file(len: u64, seed: u64) -> (Options, Arc<MemDev>, Fs, u64, Vec<u8>) {
+    let o = opts(64 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let ino = file(&fs, b"f");
+    let data = pattern(len as usize, seed);
+    fs.write(ino, 0, &data).unwrap();
+    fs.unmount().unwrap();
+    let dev = Arc::new(MemDev::from_image(dev.image()));
+    let fs = Fs::open(dev.clone(), o.clone()).unwrap();
+    (o, dev, fs, ino, data)
+}
+
 fn file(fs: &Fs, name: &[u8]) -> u64 {
     fs.mknod(ROOT_INO, name, 0o644, 0, Creds::default())
         .unwrap()
@@ -276,12 +290,7 @@ fn a_failed_writeback_keeps_the_data_dirty_for_the_next_try() {
 
 #[test]
 fn sequential_reads_read_ahead_and_random_reads_do_not() {
-    let o = opts(64 * MB, 64 << 10, true);
-    let (dev, fs) = mk(64 * MB, o.clone());
-    let ino = file(&fs, b"f");
-    let data = pattern(8 * MB as usize, 6);
-    fs.write(ino, 0, &data).unwrap();
-    let fs = remount(&dev, fs, o.clone());
+    let (o, dev, fs, ino, data) = a_remounted_file(8 * MB, 6);
     let chunk = 128 * 1024;
     assert_eq!(fs.read(ino, 0, chunk as u32).unwrap(), &data[..chunk]);
     let first = fs.stats().dev_read_bytes;
@@ -305,12 +314,8 @@ fn sequential_reads_read_ahead_and_random_reads_do_not() {
 
 #[test]
 fn a_readahead_thread_reads_the_next_window_ahead_of_the_reader() {
-    let o = opts(64 * MB, 64 << 10, true);
-    let (dev, fs) = mk(64 * MB, o.clone());
-    let ino = file(&fs, b"f");
-    let data = pattern(24 * MB as usize, 8);
-    fs.write(ino, 0, &data).unwrap();
-    let fs = Arc::new(remount(&dev, fs, o));
+    let (_, _dev, fs, ino, data) = a_remounted_file(24 * MB, 8);
+    let fs = Arc::new(fs);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Two threads, as a mount runs: they fill different windows at once.
     let workers: Vec<_> = (0..2)
@@ -652,14 +657,7 @@ fn reads_fill_folios_straight_from_the_device_around_holes_and_cached_blocks() {
 
 #[test]
 fn a_block_failing_its_checksum_reads_as_an_error_every_time() {
-    let o = opts(64 * MB, 64 << 10, true);
-    let (dev, fs) = mk(64 * MB, o.clone());
-    let ino = file(&fs, b"f");
-    let data = pattern(2 * MB as usize, 5);
-    fs.write(ino, 0, &data).unwrap();
-    fs.unmount().unwrap();
-    let dev = Arc::new(MemDev::from_image(dev.image()));
-    let fs = Fs::open(dev.clone(), o).unwrap();
+    let (_, dev, fs, ino, data) = a_remounted_file(2 * MB, 5);
     let e = fs.extent_map(ino).unwrap();
     let bad = 3 * MB / 2;
     let at = e
