@@ -7,8 +7,6 @@
 
 use std::time::Instant;
 
-use crate::dev::AlignedBuf;
-
 /// Most blocks a folio can hold: 1 MiB of 4 KiB blocks.
 pub(crate) const MAX_BLOCKS: usize = 256;
 
@@ -70,12 +68,111 @@ impl Bitmap {
     }
 }
 
+/// The memory of a folio: anonymous pages of its own, so page aligned (the device
+/// reads into it directly) and of exactly the folio's size. The heap's aligned
+/// allocations left gaps between folio buffers that a streaming write's peak of
+/// folios turned into half as much memory again. Where the kernel refuses another
+/// mapping (`vm.max_map_count`), the buffer comes from the heap after all.
+pub(crate) struct FolioBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    /// Mapped (else allocated from the heap with [`FolioBuf::layout`]).
+    mapped: bool,
+}
+
+// SAFETY: the memory is owned by the FolioBuf alone, like a Box<[u8]>.
+unsafe impl Send for FolioBuf {}
+// SAFETY: shared access only reads, as through &[u8].
+unsafe impl Sync for FolioBuf {}
+
+impl FolioBuf {
+    /// `len` zero bytes (a multiple of the page size); aborts when out of memory, as
+    /// the heap's allocations do.
+    pub(crate) fn new(len: usize) -> FolioBuf {
+        assert!(len > 0 && len % 4096 == 0, "folio buffers hold whole pages");
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p != libc::MAP_FAILED {
+            if let Some(ptr) = std::ptr::NonNull::new(p.cast::<u8>()) {
+                return FolioBuf {
+                    ptr,
+                    len,
+                    mapped: true,
+                };
+            }
+        }
+        Self::heap(len)
+    }
+
+    /// [`FolioBuf::new`] from the heap.
+    fn heap(len: usize) -> FolioBuf {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        match std::ptr::NonNull::new(p) {
+            Some(ptr) => FolioBuf {
+                ptr,
+                len,
+                mapped: false,
+            },
+            None => std::alloc::handle_alloc_error(layout),
+        }
+    }
+
+    /// The heap layout of a buffer of `len` bytes.
+    fn layout(len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(len, 4096).expect("a valid layout")
+    }
+}
+
+impl Drop for FolioBuf {
+    fn drop(&mut self) {
+        if self.mapped {
+            // SAFETY: the mapping made in `new`, no longer borrowed.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        } else {
+            // SAFETY: allocated in `new` with this layout, no longer borrowed.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
+        }
+    }
+}
+
+impl std::ops::Deref for FolioBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` bytes mapped readable and writable, owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for FolioBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, uniquely borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for FolioBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FolioBuf({} bytes)", self.len)
+    }
+}
+
 /// The cached bytes of one folio and the state of each of its blocks.
 #[derive(Debug)]
 pub(crate) struct Folio {
     /// The folio's bytes (aligned: the device reads into them directly); those of
     /// blocks that are not uptodate are left over.
-    pub(crate) data: AlignedBuf,
+    pub(crate) data: FolioBuf,
     /// Blocks whose bytes are the file's current contents.
     pub(crate) uptodate: Bitmap,
     /// Blocks newer than the device (each also uptodate).
@@ -88,12 +185,12 @@ impl Folio {
     /// An empty folio of `size` bytes: nothing uptodate, nothing dirty.
     #[cfg(test)]
     pub(crate) fn new(size: usize) -> Folio {
-        Folio::with_buffer(AlignedBuf::zeroed(size))
+        Folio::with_buffer(FolioBuf::new(size))
     }
 
     /// An empty folio over `data`, whose bytes mean nothing until their block is
     /// uptodate: whoever makes a block uptodate writes all of it.
-    pub(crate) fn with_buffer(data: AlignedBuf) -> Folio {
+    pub(crate) fn with_buffer(data: FolioBuf) -> Folio {
         Folio {
             data,
             uptodate: Bitmap::default(),
@@ -127,6 +224,19 @@ impl Folio {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn folio_buffers_are_zeroed_page_aligned_and_their_own() {
+        for mut b in [FolioBuf::new(64 << 10), FolioBuf::heap(64 << 10)] {
+            assert_eq!(b.len(), 64 << 10);
+            assert_eq!(b.as_ptr() as usize % 4096, 0, "not page aligned");
+            assert!(b.iter().all(|&x| x == 0), "not zeroed");
+            b[100] = 7;
+            b[(64 << 10) - 1] = 9;
+            let other = FolioBuf::new(64 << 10);
+            assert_eq!((b[100], b[(64 << 10) - 1], other[100]), (7, 9, 0));
+        }
+    }
 
     #[test]
     fn bitmap_runs_and_counts() {

@@ -18,8 +18,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::folio::{Folio, MAX_BLOCKS};
-use crate::dev::AlignedBuf;
+use super::folio::{Folio, FolioBuf, MAX_BLOCKS};
 use crate::format::BLOCK_SIZE;
 
 const BS: u64 = BLOCK_SIZE;
@@ -139,7 +138,7 @@ pub(crate) struct PageCache {
     kick: (Mutex<bool>, Condvar),
     /// Buffers of evicted folios, reused for new ones: the daemon's memory then stays
     /// near `cache_size` instead of growing with the allocator's per-thread slack.
-    spare: Mutex<Vec<AlignedBuf>>,
+    spare: Mutex<Vec<FolioBuf>>,
     /// Folios written back whole, oldest first, with the use they were queued at:
     /// dropped behind the writer once more than `behind_limit` bytes of them wait,
     /// unless used since (see [`PageCache::drop_behind`]).
@@ -211,10 +210,10 @@ impl PageCache {
 
     /// A folio buffer, reused when one is spare (and then not zeroed: a folio's
     /// bytes count only in blocks made uptodate, which are written whole).
-    fn buffer(&self) -> AlignedBuf {
+    fn buffer(&self) -> FolioBuf {
         match self.spare.lock().pop() {
             Some(b) => b,
-            None => AlignedBuf::zeroed(self.opts.folio_size as usize),
+            None => FolioBuf::new(self.opts.folio_size as usize),
         }
     }
 
