@@ -1522,8 +1522,10 @@ def merge_into(old, res, vs, reason):
         "wall_s": res["wall_s"], "complete": res["complete"], "machine": res["machine"]})
     # Complete when every variant x repetition x target has a finished (or skipped) run.
     have = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if r.get("ok") or r.get("skipped")}
+    # A variant with targets of its own (W2 with snapshots) runs on those only.
     want = {(v["id"], rep, t) for v in old["variants"] for rep in range(1, old["profile"]["reps"] + 1)
-            for t in old["targets"] if t not in ONLY_FOR or v["workload"] in ONLY_FOR[t]}
+            for t in old["targets"] if (t not in ONLY_FOR or v["workload"] in ONLY_FOR[t])
+            and t in v.get("targets", old["targets"])}
     failed_ok = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if "error" in r}
     old["complete"] = res["complete"] and want <= (have | failed_ok)
     # An interrupted base run has no wall time of its own: use the sum of its runs.
