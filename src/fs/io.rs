@@ -67,6 +67,26 @@ struct Missing {
     b: usize,
 }
 
+impl Missing {
+    /// The parts of the runs `missing` that lie in the file range `from..to`.
+    fn within(missing: &[Missing], from: u64, to: u64) -> Vec<Missing> {
+        missing
+            .iter()
+            .filter_map(|m| {
+                let base = m.off - m.a as u64 * BS;
+                let a = m.a.max((from.saturating_sub(base) / BS) as usize);
+                let b = m.b.min((to.saturating_sub(base)).div_ceil(BS) as usize);
+                (a < b).then(|| Missing {
+                    folio: m.folio.clone(),
+                    off: base + a as u64 * BS,
+                    a,
+                    b,
+                })
+            })
+            .collect()
+    }
+}
+
 /// Two locks of one shard table in table order; the second is `None` when both are
 /// the same lock (two inodes of one shard).
 fn in_order<'a, T>(a: &'a T, b: &'a T) -> (&'a T, Option<&'a T>) {
@@ -305,7 +325,18 @@ impl Fs {
         if missing.iter().any(|m| m.off < end) {
             Stats::add(&self.stats.read_waits, 1);
         }
-        self.fill_missing(ino, &missing)?;
+        if let Err(e) = self.fill_missing(ino, &missing) {
+            // A bad block in the readahead must not fail a read of good ones: fill
+            // just what was asked for (as the kernel rereads a failed readahead's pages
+            // one by one).
+            let own = Missing::within(&missing, offset, end);
+            let blocks = |v: &[Missing]| v.iter().map(|m| m.b - m.a).sum::<usize>();
+            if blocks(&own) == blocks(&missing) {
+                return Err(e);
+            }
+            tracing::debug!("readahead of inode {ino} failed ({e}); reading the request alone");
+            self.fill_missing(ino, &own)?;
+        }
         drop(missing);
         // The thread stays RA_AHEAD windows ahead, so a reader crossing into the next
         // window finds it read rather than waiting for the device.
