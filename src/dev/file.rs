@@ -183,6 +183,26 @@ fn aligned(len: usize, off: u64) -> bool {
     len % DIRECT_ALIGN == 0 && off % DIRECT_ALIGN as u64 == 0
 }
 
+/// Whether the ring may take `b` at `off` as it is: the transfer goes straight from
+/// or into the caller's buffer, which must then be aligned too.
+fn direct_ok(b: &[u8], off: u64) -> bool {
+    b.as_ptr() as usize % DIRECT_ALIGN == 0 && aligned(b.len(), off)
+}
+
+/// The smallest piece of a batch that goes direct: any aligned piece once the batch's
+/// aligned pieces add up to `batch` bytes, else only pieces of [`DIRECT_MIN`].
+fn direct_min<'a>(pieces: impl Iterator<Item = (&'a [u8], u64)>, batch: usize) -> usize {
+    let total: usize = pieces
+        .filter(|&(b, off)| direct_ok(b, off))
+        .map(|(b, _)| b.len())
+        .sum();
+    if total >= batch {
+        DIRECT_ALIGN
+    } else {
+        DIRECT_MIN
+    }
+}
+
 thread_local! {
     /// Each thread's io_uring for batches of direct writes: `None` until first used,
     /// `Some(None)` where the kernel refused one.
@@ -329,19 +349,7 @@ impl BlockDev for FileDev {
                 .iter()
                 .try_for_each(|&(b, off)| self.file.write_all_at(b, off));
         };
-        // Ring writes go straight from the caller's buffers: those must be aligned too.
-        let direct_ok =
-            |b: &[u8], off: u64| b.as_ptr() as usize % DIRECT_ALIGN == 0 && aligned(b.len(), off);
-        let total: usize = writes
-            .iter()
-            .filter(|&&(b, off)| direct_ok(b, off))
-            .map(|(b, _)| b.len())
-            .sum();
-        let min = if total >= self.batch_direct {
-            DIRECT_ALIGN
-        } else {
-            DIRECT_MIN
-        };
+        let min = direct_min(writes.iter().map(|&(b, off)| (b, off)), self.batch_direct);
         let mut batch: Vec<(&[u8], u64)> = Vec::with_capacity(writes.len().min(RING_ENTRIES));
         for &(buf, off) in writes {
             if buf.len() >= min && direct_ok(buf, off) {
@@ -375,24 +383,10 @@ impl BlockDev for FileDev {
         // Large aligned reads into aligned buffers go direct, in flight together; the
         // rest one at a time. A batch of aligned reads that is large as a whole (a
         // readahead window read straight into its folios) goes direct piece by piece.
-        let direct_ok = |b: &[u8], off: u64| {
-            self.direct.is_some()
-                && b.as_ptr() as usize % DIRECT_ALIGN == 0
-                && aligned(b.len(), off)
-        };
-        let total: usize = reads
-            .iter()
-            .filter(|(b, off)| direct_ok(b, *off))
-            .map(|(b, _)| b.len())
-            .sum();
-        let min = if total >= DIRECT_MIN {
-            DIRECT_ALIGN
-        } else {
-            DIRECT_MIN
-        };
+        let min = direct_min(reads.iter().map(|(b, off)| (&**b, *off)), DIRECT_MIN);
         let mut ops: Vec<RingOp> = Vec::new();
         for (buf, off) in reads.iter_mut() {
-            let ringable = buf.len() >= min && direct_ok(buf, *off);
+            let ringable = self.direct.is_some() && buf.len() >= min && direct_ok(buf, *off);
             if ringable {
                 ops.push(RingOp {
                     ptr: buf.as_mut_ptr(),

@@ -780,7 +780,7 @@ impl ReadPlan {
             for p in batch {
                 let buf = &scratch[pos..pos + p.blocks_len];
                 pos += p.blocks_len;
-                self.verify(p, buf)?;
+                self.verify_from(p, 0, buf)?;
                 put(p.out, &buf[p.skip..p.skip + p.take]);
             }
         }
@@ -849,11 +849,6 @@ impl ReadPlan {
                 .map(|p| (p.out, p.out + p.take))
                 .collect(),
         ))
-    }
-
-    /// Checks the blocks of piece `p`, read into `buf`, against their checksums.
-    fn verify(&self, p: &ReadPiece, buf: &[u8]) -> Result<()> {
-        self.verify_from(p, 0, buf)
     }
 
     /// Checks blocks of piece `p` from byte `from` on (a block boundary), read into
