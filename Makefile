@@ -23,9 +23,16 @@ mount: deps build
 	$(BIN) mount --foreground $(IMAGE) $(MNT)
 
 # Every test: unit, model, FUSE integration, data. Release build: the data tests move GiBs.
+# The FUSE suites run a second time with every mount served through io_uring queues
+# (uring=on), where the kernel has FUSE over io_uring.
+FUSE_SUITES := --test posix --test data --test cache --test faults --test reflink --test snapshots
 test: deps
 	$(CARGO) build --release
 	$(CARGO) test --release -- --test-threads=2
+	@if [ -e /sys/module/fuse/parameters/enable_uring ]; then \
+	  echo "FUSE suites again over io_uring (uring=on)"; \
+	  BIRCHFS_TEST_MOUNT_OPTIONS=uring=on $(CARGO) test --release $(FUSE_SUITES) -- --test-threads=2; \
+	 else echo "FUSE over io_uring: skipped (this kernel has no enable_uring parameter)"; fi
 	@if $(CARGO) +nightly fuzz --version >/dev/null 2>&1; then $(MAKE) --no-print-directory fuzz-quick; \
 	 else echo "fuzz: skipped (needs nightly Rust and cargo-fuzz); tests/hostile.rs covered damaged images"; fi
 

@@ -44,6 +44,8 @@ pub struct Stats {
     pub fallbacks: AtomicU64,
     /// Copies of tree nodes shared with a snapshot (each adds a reference per child).
     pub shared_cows: AtomicU64,
+    /// FUSE requests that came through io_uring queues instead of `/dev/fuse`.
+    pub uring_requests: AtomicU64,
     /// fsync latency.
     pub fsync_latency: Histogram,
     /// Full commit latency.
@@ -80,6 +82,7 @@ impl Stats {
             log_commits: g(&self.log_commits),
             fallbacks: g(&self.fallbacks),
             shared_cows: g(&self.shared_cows),
+            uring_requests: g(&self.uring_requests),
             fsync_latency: self.fsync_latency.summary(),
             commit_latency: self.commit_latency.summary(),
         }
@@ -131,6 +134,8 @@ pub struct StatsSnapshot {
     pub fallbacks: u64,
     /// See [`Stats::shared_cows`].
     pub shared_cows: u64,
+    /// See [`Stats::uring_requests`].
+    pub uring_requests: u64,
     /// See [`Stats::fsync_latency`].
     pub fsync_latency: LatencySummary,
     /// See [`Stats::commit_latency`].
@@ -246,7 +251,7 @@ impl StatsSnapshot {
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
-                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},",
+                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
             ),
             self.fsyncs,
@@ -271,6 +276,7 @@ impl StatsSnapshot {
             self.cache_bytes,
             self.cache_dirty_bytes,
             self.flushes,
+            self.uring_requests,
             self.fsync_latency.json(),
             self.commit_latency.json()
         )
@@ -331,6 +337,11 @@ impl StatsSnapshot {
             self.read_waits.to_string(),
         );
         row(&mut s, "bytes cloned", self.cloned_bytes.to_string());
+        row(
+            &mut s,
+            "requests via io_uring",
+            self.uring_requests.to_string(),
+        );
         row(&mut s, "page cache bytes", self.cache_bytes.to_string());
         row(
             &mut s,

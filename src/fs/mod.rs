@@ -488,6 +488,11 @@ impl Fs {
         self.stats.fsync_latency.record(d);
     }
 
+    /// Counts a FUSE request that came through an io_uring queue.
+    pub fn count_uring_request(&self) {
+        crate::stats::Stats::add(&self.stats.uring_requests, 1);
+    }
+
     /// Makes every record up to `target` durable: one log batch, or a full commit when
     /// the log cannot take it.
     ///

@@ -30,6 +30,17 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{RngCore, SeedableRng};
 
+/// Mount options every mount of a test run adds, from `BIRCHFS_TEST_MOUNT_OPTIONS`
+/// (comma-separated): `make test` runs the FUSE suites once more with `uring=on`.
+pub fn extra_mount_options() -> Vec<String> {
+    std::env::var("BIRCHFS_TEST_MOUNT_OPTIONS")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
 /// The birchfs binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_birchfs");
 
@@ -426,6 +437,9 @@ impl Mount {
         let err_file = File::create(&err_path).expect("create mount log");
         let mut cmd = Command::new(BIN);
         cmd.arg("mount");
+        let mut opts: Vec<&str> = opts.to_vec();
+        let extra = extra_mount_options();
+        opts.extend(extra.iter().map(|s| s.as_str()));
         if !opts.is_empty() {
             cmd.arg("-o").arg(opts.join(","));
         }

@@ -1,4 +1,6 @@
-//! The FUSE front door: maps kernel requests onto [`Fs`] and errors onto errno.
+//! The FUSE operations: each maps one kernel request onto [`Fs`] and its errors onto
+//! errno, and answers through whichever transport brought the request (see
+//! [`super::answer`]).
 //!
 //! Inode numbers: the kernel's root (1) is birchfs's root directory (256); every other
 //! number is the same on both sides. Each entry handed to the kernel (lookup, create,
@@ -10,25 +12,24 @@
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    AccessFlags, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags,
-    RenameFlags as FuseRenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, TimeOrNow, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, TimeOrNow, WriteFlags,
 };
 
+use super::answer::{
+    done, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty, AnswerEntry,
+    AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
+};
 use crate::error::Error;
 use crate::fs::{
     is_snapshot_ino, without_suid, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr,
     TimeSet, ROOT_INO,
 };
 
-const TTL: Duration = Duration::from_secs(1);
+pub(crate) const TTL: Duration = Duration::from_secs(1);
 
 /// A virtual xattr of the mount's root: the daemon's statistics as JSON
 /// (what `birchfs stats` reads). It is not listed and cannot be set.
@@ -42,31 +43,59 @@ pub const SPACE_XATTR: &str = "birchfs.space";
 /// as JSON (what `birchfs snapshot list` reads, one snapshot at a time).
 pub const SNAPSHOT_XATTR: &str = "birchfs.snapshot";
 
-/// An fsync waiting for the log: its target, its reply, when it arrived.
-type PendingFsync = (u64, ReplyEmpty, std::time::Instant);
+/// Who sent a request: the caller's fs uid and gid, and its thread id.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: u32,
+}
 
-/// Adapts a [`Fs`] to fuser's `Filesystem` trait.
+/// An fsync waiting for the log: its target, its answer, when it arrived.
+type PendingFsync = (u64, Done, std::time::Instant);
+
+/// Serves a [`Fs`] through FUSE, over `/dev/fuse` or io_uring queues. Clones share
+/// everything (the io_uring threads hold clones).
+#[derive(Clone)]
 pub struct FuseFs {
-    fs: Arc<Fs>,
+    pub(crate) fs: Arc<Fs>,
     fsyncs: Arc<FsyncQueue>,
-    workers: FsyncWorkers,
+    workers: Arc<FsyncWorkers>,
+    /// Whether to offer the kernel FUSE over io_uring at INIT.
+    pub(crate) uring: bool,
+    /// Set at INIT when the kernel took FUSE over io_uring.
+    pub(crate) uring_agreed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FuseFs {
-    /// Serves `fs` through FUSE.
+    /// Serves `fs` through FUSE over `/dev/fuse`.
     pub fn new(fs: Arc<Fs>) -> FuseFs {
         let fsyncs = Arc::new(FsyncQueue::default());
-        let workers = FsyncWorkers::start(&fs, &fsyncs);
+        let workers = Arc::new(FsyncWorkers::start(&fs, &fsyncs));
         FuseFs {
             fs,
             fsyncs,
             workers,
+            uring: false,
+            uring_agreed: Default::default(),
         }
+    }
+
+    /// Offers the kernel FUSE over io_uring at INIT; [`FuseFs::uring_agreed`] tells
+    /// afterwards whether it took it.
+    pub fn offer_uring(&mut self) {
+        self.uring = true;
+    }
+
+    /// Whether the kernel agreed at INIT to send requests through io_uring queues
+    /// (which must then be started: [`super::uring::Rings::start`]).
+    pub fn uring_agreed(&self) -> bool {
+        self.uring_agreed.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
-/// An fsync handed to a worker: inode, datasync, reply, arrival.
-type FsyncJob = (u64, bool, ReplyEmpty, std::time::Instant);
+/// An fsync handed to a worker: inode, datasync, answer, arrival.
+type FsyncJob = (u64, bool, Done, std::time::Instant);
 
 /// An fsync whose file has at least this much dirty data in birchfs's cache is handed
 /// to a worker, since writing that data back blocks for the device.
@@ -130,17 +159,17 @@ fn sync_or_queue(
     queue: &FsyncQueue,
     ino: u64,
     datasync: bool,
-    reply: ReplyEmpty,
+    reply: Done,
     t0: std::time::Instant,
 ) {
     match fs.fsync_target(ino, datasync) {
         Err(e) => {
             fs.record_fsync_latency(t0.elapsed());
-            reply.error(errno(&e))
+            reply(Err(errno(&e)))
         }
         Ok(None) => {
             fs.record_fsync_latency(t0.elapsed());
-            reply.ok()
+            reply(Ok(()))
         }
         Ok(Some(t)) => queue.submit(fs, (t, reply, t0)),
     }
@@ -186,10 +215,7 @@ impl FsyncQueue {
             let r = fs.sync_to(target);
             for (_, reply, t0) in group {
                 fs.record_fsync_latency(t0.elapsed());
-                match &r {
-                    Ok(()) => reply.ok(),
-                    Err(e) => reply.error(errno(e)),
-                }
+                reply(r.as_ref().map(|_| ()).map_err(errno));
             }
         }
         if let Err(e) = fs.commit_if_log_full() {
@@ -214,15 +240,17 @@ fn has_fsetid(pid: u32) -> bool {
         .is_some_and(|caps| caps & (1 << CAP_FSETID) != 0)
 }
 
-fn to_ino(fuse: INodeNo) -> u64 {
-    if fuse.0 == 1 {
+/// birchfs's inode number of the kernel's node id.
+pub(crate) fn to_ino(nodeid: u64) -> u64 {
+    if nodeid == 1 {
         ROOT_INO
     } else {
-        fuse.0
+        nodeid
     }
 }
 
-fn to_fuse(ino: u64) -> INodeNo {
+/// The kernel's node id of a birchfs inode number.
+pub(crate) fn to_fuse(ino: u64) -> INodeNo {
     if ino == ROOT_INO {
         INodeNo(1)
     } else {
@@ -230,12 +258,17 @@ fn to_fuse(ino: u64) -> INodeNo {
     }
 }
 
-fn errno(e: &Error) -> Errno {
+/// The errno of `e`; errors that mean damage or I/O failure are logged.
+pub(crate) fn errno(e: &Error) -> Errno {
     match e {
         Error::Corrupt { .. } | Error::Io(_) | Error::BadImage(_) => tracing::error!("{e}"),
         _ => tracing::debug!("{e}"),
     }
     Errno::from_i32(e.errno())
+}
+
+fn err(code: i32) -> Errno {
+    Errno::from_i32(code)
 }
 
 fn kind(k: FileKind) -> FileType {
@@ -277,21 +310,54 @@ fn time_set(t: TimeOrNow) -> TimeSet {
     }
 }
 
+fn empty(r: crate::Result<()>, reply: impl AnswerEmpty) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(errno(&e)),
+    }
+}
+
+fn entry(r: crate::Result<Attr>, reply: impl AnswerEntry) {
+    match r {
+        Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(a.generation)),
+        Err(e) => reply.error(errno(&e)),
+    }
+}
+
+fn attr(r: crate::Result<Attr>, reply: impl AnswerAttr) {
+    match r {
+        Ok(a) => reply.attr(&TTL, &fattr(&a)),
+        Err(e) => reply.error(errno(&e)),
+    }
+}
+
+/// The attribute changes of a setattr request.
+#[derive(Default)]
+pub(crate) struct SetAttrIn {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<TimeOrNow>,
+    pub mtime: Option<TimeOrNow>,
+    pub ctime: Option<SystemTime>,
+}
+
 impl FuseFs {
     /// Owner of a new inode: the caller, or the directory's group under setgid.
-    fn creds(&self, req: &Request, parent: u64) -> (Creds, bool) {
-        let mut c = Creds {
-            uid: req.uid(),
-            gid: req.gid(),
+    fn creds(&self, c: &Caller, parent: u64) -> (Creds, bool) {
+        let mut cr = Creds {
+            uid: c.uid,
+            gid: c.gid,
         };
         let mut sgid = false;
         if let Ok(p) = self.fs.getattr(parent) {
             if p.perm & libc::S_ISGID as u16 != 0 {
-                c.gid = p.gid;
+                cr.gid = p.gid;
                 sgid = true;
             }
         }
-        (c, sgid)
+        (cr, sgid)
     }
 
     /// Whether `ino` is a non-directory with set-id bits that a change would clear.
@@ -319,8 +385,8 @@ impl FuseFs {
 
     /// [`FuseFs::drop_privs`] for a change the kernel does not flag (fallocate,
     /// copy_file_range): when the caller lacks CAP_FSETID, as the VFS decides.
-    fn drop_privs_unless_fsetid(&self, req: &Request, ino: u64) {
-        if self.has_suid(ino) && !has_fsetid(req.pid()) {
+    fn drop_privs_unless_fsetid(&self, c: &Caller, ino: u64) {
+        if self.has_suid(ino) && !has_fsetid(c.pid) {
             self.clear_suid(ino);
         }
     }
@@ -336,296 +402,197 @@ impl FuseFs {
         }
     }
 
-    /// fsync and fdatasync: answered at once when nothing they need is new, else by the
-    /// group commit; one with much data to write back first goes to a worker.
-    fn queue_fsync(&self, ino: u64, datasync: bool, reply: ReplyEmpty) {
-        let t0 = std::time::Instant::now();
-        let reply = match &self.workers.tx {
-            Some(tx) if self.fs.dirty_bytes_of(ino) >= OFFLOAD_DIRTY => {
-                match tx.send((ino, datasync, reply, t0)) {
-                    Ok(()) => return,
-                    Err(std::sync::mpsc::SendError((_, _, reply, _))) => reply,
-                }
-            }
-            _ => reply,
-        };
-        sync_or_queue(&self.fs, &self.fsyncs, ino, datasync, reply, t0)
-    }
-
-    fn entry(&self, r: crate::Result<Attr>, reply: ReplyEntry) {
-        match r {
-            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(a.generation)),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
     /// Creates a node; directories under a setgid directory inherit the bit.
     fn make(
         &self,
-        req: &Request,
+        c: &Caller,
         parent: u64,
-        name: &OsStr,
+        name: &[u8],
         mode: u32,
         rdev: u64,
     ) -> crate::Result<Attr> {
-        let (c, sgid) = self.creds(req, parent);
+        let (cr, sgid) = self.creds(c, parent);
         let mut mode = mode;
         if sgid && mode & libc::S_IFMT == libc::S_IFDIR {
             mode |= libc::S_ISGID;
         }
         if mode & libc::S_IFMT == libc::S_IFDIR {
-            self.fs.mkdir(parent, name.as_bytes(), mode, c)
+            self.fs.mkdir(parent, name, mode, cr)
         } else {
-            self.fs.mknod(parent, name.as_bytes(), mode, rdev, c)
+            self.fs.mknod(parent, name, mode, rdev, cr)
         }
     }
-}
 
-impl Filesystem for FuseFs {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        if config
-            .capabilities()
-            .contains(InitFlags::FUSE_WRITEBACK_CACHE)
-        {
-            let _ = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE);
-        }
-        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
-        // We clear set-id bits on write, truncate and chown ourselves; in return the
-        // kernel stops asking for security.capability before every write() (one
-        // GETXATTR round trip per write without it).
-        let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
-        let _ = config.set_max_write(1 << 20);
-        let _ = config.set_max_readahead(1 << 20);
-        let _ = config.set_max_background(64);
-        let _ = config.set_time_granularity(Duration::from_nanos(1));
-        Ok(())
-    }
-
-    fn destroy(&mut self) {
+    /// The final commit, when the kernel ends the session.
+    pub(crate) fn destroy(&self) {
         if let Err(e) = self.fs.commit() {
             tracing::error!("commit at unmount failed: {e}");
         }
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        self.entry(self.fs.lookup(to_ino(parent), name.as_bytes()), reply)
+    pub(crate) fn lookup(&self, parent: u64, name: &[u8], reply: impl AnswerEntry) {
+        entry(self.fs.lookup(to_ino(parent), name), reply)
     }
 
-    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.fs.forget(to_ino(ino), nlookup);
+    pub(crate) fn forget(&self, nodeid: u64, nlookup: u64) {
+        self.fs.forget(to_ino(nodeid), nlookup);
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.fs.getattr(to_ino(ino)) {
-            Ok(a) => reply.attr(&TTL, &fattr(&a)),
-            Err(e) => reply.error(errno(&e)),
-        }
+    pub(crate) fn getattr(&self, nodeid: u64, reply: impl AnswerAttr) {
+        attr(self.fs.getattr(to_ino(nodeid)), reply)
     }
 
-    fn setattr(
-        &self,
-        req: &Request,
-        ino: INodeNo,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-        size: Option<u64>,
-        atime: Option<TimeOrNow>,
-        mtime: Option<TimeOrNow>,
-        ctime: Option<SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<SystemTime>,
-        _chgtime: Option<SystemTime>,
-        _bkuptime: Option<SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        let ino = to_ino(ino);
+    pub(crate) fn setattr(&self, c: &Caller, nodeid: u64, s: SetAttrIn, reply: impl AnswerAttr) {
+        let ino = to_ino(nodeid);
         // A chown clears set-id bits always, a truncate unless the caller has
         // CAP_FSETID (the kernel leaves both to us: FUSE_HANDLE_KILLPRIV_V2).
-        let chown = uid.is_some() || gid.is_some();
-        let kill_suid = chown || (size.is_some() && self.has_suid(ino) && !has_fsetid(req.pid()));
+        let chown = s.uid.is_some() || s.gid.is_some();
+        let kill_suid = chown || (s.size.is_some() && self.has_suid(ino) && !has_fsetid(c.pid));
         let set = SetAttr {
-            mode,
-            uid,
-            gid,
-            size,
-            atime: atime.map(time_set),
-            mtime: mtime.map(time_set),
-            ctime,
+            mode: s.mode,
+            uid: s.uid,
+            gid: s.gid,
+            size: s.size,
+            atime: s.atime.map(time_set),
+            mtime: s.mtime.map(time_set),
+            ctime: s.ctime,
             kill_suid,
         };
-        match self.fs.setattr(ino, &set) {
-            Ok(a) => reply.attr(&TTL, &fattr(&a)),
-            Err(e) => reply.error(errno(&e)),
-        }
+        attr(self.fs.setattr(ino, &set), reply)
     }
 
-    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.fs.readlink(to_ino(ino)) {
+    pub(crate) fn readlink(&self, nodeid: u64, reply: impl AnswerData) {
+        match self.fs.readlink(to_ino(nodeid)) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    fn mknod(
+    pub(crate) fn mknod(
         &self,
-        req: &Request,
-        parent: INodeNo,
-        name: &OsStr,
+        c: &Caller,
+        parent: u64,
+        name: &[u8],
         mode: u32,
-        _umask: u32,
         rdev: u32,
-        reply: ReplyEntry,
+        reply: impl AnswerEntry,
     ) {
-        self.entry(
-            self.make(req, to_ino(parent), name, mode, rdev as u64),
+        entry(self.make(c, to_ino(parent), name, mode, rdev as u64), reply)
+    }
+
+    pub(crate) fn mkdir(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        reply: impl AnswerEntry,
+    ) {
+        let mode = libc::S_IFDIR | (mode & 0o7777);
+        entry(self.make(c, to_ino(parent), name, mode, 0), reply)
+    }
+
+    pub(crate) fn unlink(&self, parent: u64, name: &[u8], reply: impl AnswerEmpty) {
+        empty(self.fs.unlink(to_ino(parent), name), reply)
+    }
+
+    pub(crate) fn rmdir(&self, parent: u64, name: &[u8], reply: impl AnswerEmpty) {
+        empty(self.fs.rmdir(to_ino(parent), name), reply)
+    }
+
+    pub(crate) fn symlink(
+        &self,
+        c: &Caller,
+        parent: u64,
+        name: &[u8],
+        target: &[u8],
+        reply: impl AnswerEntry,
+    ) {
+        let p = to_ino(parent);
+        let (cr, _) = self.creds(c, p);
+        entry(self.fs.symlink(p, name, target, cr), reply)
+    }
+
+    /// `flags` are rename2's RENAME_* bits.
+    pub(crate) fn rename(
+        &self,
+        parent: u64,
+        name: &[u8],
+        newparent: u64,
+        newname: &[u8],
+        flags: u32,
+        reply: impl AnswerEmpty,
+    ) {
+        if flags & libc::RENAME_WHITEOUT != 0 {
+            return reply.error(err(libc::EINVAL));
+        }
+        let f = RenameFlags {
+            noreplace: flags & libc::RENAME_NOREPLACE != 0,
+            exchange: flags & libc::RENAME_EXCHANGE != 0,
+        };
+        let r = self
+            .fs
+            .rename(to_ino(parent), name, to_ino(newparent), newname, f);
+        empty(r, reply)
+    }
+
+    pub(crate) fn link(
+        &self,
+        nodeid: u64,
+        newparent: u64,
+        newname: &[u8],
+        reply: impl AnswerEntry,
+    ) {
+        entry(
+            self.fs.link(to_ino(nodeid), to_ino(newparent), newname),
             reply,
         )
     }
 
-    fn mkdir(
-        &self,
-        req: &Request,
-        parent: INodeNo,
-        name: &OsStr,
-        mode: u32,
-        _umask: u32,
-        reply: ReplyEntry,
-    ) {
-        let mode = libc::S_IFDIR | (mode & 0o7777);
-        self.entry(self.make(req, to_ino(parent), name, mode, 0), reply)
-    }
-
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.fs.unlink(to_ino(parent), name.as_bytes()) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
+    pub(crate) fn open(&self, nodeid: u64, flags: i32, reply: impl AnswerOpen) {
+        let ino = to_ino(nodeid);
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        if writes && is_snapshot_ino(ino) {
+            return reply.error(err(libc::EROFS));
         }
-    }
-
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.fs.rmdir(to_ino(parent), name.as_bytes()) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    fn symlink(
-        &self,
-        req: &Request,
-        parent: INodeNo,
-        link_name: &OsStr,
-        target: &Path,
-        reply: ReplyEntry,
-    ) {
-        let p = to_ino(parent);
-        let (c, _) = self.creds(req, p);
-        let r = self
-            .fs
-            .symlink(p, link_name.as_bytes(), target.as_os_str().as_bytes(), c);
-        self.entry(r, reply)
-    }
-
-    fn rename(
-        &self,
-        _req: &Request,
-        parent: INodeNo,
-        name: &OsStr,
-        newparent: INodeNo,
-        newname: &OsStr,
-        flags: FuseRenameFlags,
-        reply: ReplyEmpty,
-    ) {
-        if flags.contains(FuseRenameFlags::RENAME_WHITEOUT) {
-            return reply.error(Errno::from_i32(libc::EINVAL));
-        }
-        let f = RenameFlags {
-            noreplace: flags.contains(FuseRenameFlags::RENAME_NOREPLACE),
-            exchange: flags.contains(FuseRenameFlags::RENAME_EXCHANGE),
-        };
-        match self.fs.rename(
-            to_ino(parent),
-            name.as_bytes(),
-            to_ino(newparent),
-            newname.as_bytes(),
-            f,
-        ) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
-    }
-
-    fn link(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        newparent: INodeNo,
-        newname: &OsStr,
-        reply: ReplyEntry,
-    ) {
-        let p = to_ino(newparent);
-        let r = self.fs.link(to_ino(ino), p, newname.as_bytes());
-        self.entry(r, reply)
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let writes = flags.0 & libc::O_ACCMODE != libc::O_RDONLY || flags.0 & libc::O_TRUNC != 0;
-        if writes && is_snapshot_ino(to_ino(ino)) {
-            return reply.error(Errno::from_i32(libc::EROFS));
-        }
-        match self.fs.open_ino(to_ino(ino)) {
+        match self.fs.open_ino(ino) {
             Ok(a) if a.kind == FileKind::Dir => {
                 let _ = self.fs.release(a.ino);
-                reply.error(Errno::from_i32(libc::EISDIR))
+                reply.error(err(libc::EISDIR))
             }
             Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    fn read(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
+    pub(crate) fn read(&self, nodeid: u64, offset: u64, size: u32, reply: impl AnswerData) {
         thread_local! {
             /// Each request thread's reply buffer, kept across reads.
             static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         BUF.with(|b| {
             let mut b = b.borrow_mut();
-            match self.fs.read_into(to_ino(ino), offset, size, &mut b) {
+            match self.fs.read_into(to_ino(nodeid), offset, size, &mut b) {
                 Ok(()) => reply.data(&b),
                 Err(e) => reply.error(errno(&e)),
             }
         })
     }
 
-    fn write(
+    pub(crate) fn write(
         &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
+        nodeid: u64,
         offset: u64,
         data: &[u8],
-        write_flags: WriteFlags,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
+        flags: WriteFlags,
+        reply: impl AnswerWrite,
     ) {
-        let ino = to_ino(ino);
-        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+        let ino = to_ino(nodeid);
+        if flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             self.drop_privs(ino, true);
         }
         // Page-cache writeback: the kernel owns the times of what it cached.
-        let r = if write_flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+        let r = if flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
             self.fs.write_cached(ino, offset, data)
         } else {
             self.fs.write(ino, offset, data)
@@ -639,69 +606,47 @@ impl Filesystem for FuseFs {
     /// Nothing to do at close: the kernel writes back its dirty pages itself (and
     /// reports their errors) before it would send this. ENOSYS makes it stop sending
     /// FLUSH, which saves a round trip on every close.
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        reply.error(Errno::from_i32(libc::ENOSYS))
+    pub(crate) fn flush(&self, reply: impl AnswerEmpty) {
+        reply.error(err(libc::ENOSYS))
     }
 
-    fn release(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        _flush: bool,
-        reply: ReplyEmpty,
-    ) {
-        match self.fs.release(to_ino(ino)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+    pub(crate) fn release(&self, nodeid: u64, reply: impl AnswerEmpty) {
+        empty(self.fs.release(to_ino(nodeid)), reply)
     }
 
-    fn fsync(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        self.queue_fsync(to_ino(ino), datasync, reply)
+    /// fsync and fdatasync (of files and directories): answered at once when nothing
+    /// they need is new, else by the group commit; one with much data to write back
+    /// first goes to a worker.
+    pub(crate) fn fsync(&self, nodeid: u64, datasync: bool, reply: impl AnswerEmpty) {
+        let ino = to_ino(nodeid);
+        let t0 = std::time::Instant::now();
+        let reply = done(reply);
+        let reply = match &self.workers.tx {
+            Some(tx) if self.fs.dirty_bytes_of(ino) >= OFFLOAD_DIRTY => {
+                match tx.send((ino, datasync, reply, t0)) {
+                    Ok(()) => return,
+                    Err(std::sync::mpsc::SendError((_, _, reply, _))) => reply,
+                }
+            }
+            _ => reply,
+        };
+        sync_or_queue(&self.fs, &self.fsyncs, ino, datasync, reply, t0)
     }
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        match self.fs.getattr(to_ino(ino)) {
-            Ok(a) if a.kind != FileKind::Dir => reply.error(Errno::from_i32(libc::ENOTDIR)),
+    pub(crate) fn opendir(&self, nodeid: u64, reply: impl AnswerOpen) {
+        match self.fs.getattr(to_ino(nodeid)) {
+            Ok(a) if a.kind != FileKind::Dir => reply.error(err(libc::ENOTDIR)),
             Ok(_) => reply.opened(FileHandle(0), FopenFlags::empty()),
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
-        match self.fs.readdir(to_ino(ino), offset, 512) {
+    pub(crate) fn readdir(&self, nodeid: u64, offset: u64, mut reply: impl AnswerDir) {
+        match self.fs.readdir(to_ino(nodeid), offset, 512) {
             Ok(list) => {
                 for e in list {
-                    if reply.add(
-                        to_fuse(e.ino),
-                        e.next_offset,
-                        kind(e.kind),
-                        OsStr::from_bytes(&e.name),
-                    ) {
+                    let name = OsStr::from_bytes(&e.name);
+                    if reply.add(to_fuse(e.ino), e.next_offset, kind(e.kind), name) {
                         break;
                     }
                 }
@@ -711,15 +656,8 @@ impl Filesystem for FuseFs {
         }
     }
 
-    fn readdirplus(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectoryPlus,
-    ) {
-        match self.fs.readdir(to_ino(ino), offset, 256) {
+    pub(crate) fn readdirplus(&self, nodeid: u64, offset: u64, mut reply: impl AnswerDirPlus) {
+        match self.fs.readdir(to_ino(nodeid), offset, 256) {
             Ok(list) => {
                 for e in list {
                     // An entry removed since readdir looked is skipped, not an error.
@@ -744,115 +682,84 @@ impl Filesystem for FuseFs {
         }
     }
 
-    fn fsyncdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        datasync: bool,
-        reply: ReplyEmpty,
-    ) {
-        self.queue_fsync(to_ino(ino), datasync, reply)
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+    pub(crate) fn statfs(&self, reply: impl AnswerStatfs) {
         let s = self.fs.statfs();
         reply.statfs(
             s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize,
         )
     }
 
-    fn setxattr(
+    pub(crate) fn setxattr(
         &self,
-        _req: &Request,
-        ino: INodeNo,
-        name: &OsStr,
+        nodeid: u64,
+        name: &[u8],
         value: &[u8],
         flags: i32,
-        _position: u32,
-        reply: ReplyEmpty,
+        reply: impl AnswerEmpty,
     ) {
         let create = flags & libc::XATTR_CREATE != 0;
         let replace = flags & libc::XATTR_REPLACE != 0;
-        match self
-            .fs
-            .setxattr(to_ino(ino), name.as_bytes(), value, create, replace)
-        {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        empty(
+            self.fs
+                .setxattr(to_ino(nodeid), name, value, create, replace),
+            reply,
+        )
     }
 
-    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        let r = if ino.0 == 1 && name.as_bytes() == STATS_XATTR.as_bytes() {
+    pub(crate) fn getxattr(&self, nodeid: u64, name: &[u8], size: u32, reply: impl AnswerXattr) {
+        let ino = to_ino(nodeid);
+        let r = if nodeid == 1 && name == STATS_XATTR.as_bytes() {
             Ok(self.fs.stats().to_json().into_bytes())
-        } else if ino.0 == 1 && name.as_bytes() == SPACE_XATTR.as_bytes() {
+        } else if nodeid == 1 && name == SPACE_XATTR.as_bytes() {
             self.fs.space_usage().map(|u| u.to_json().into_bytes())
-        } else if name.as_bytes() == SNAPSHOT_XATTR.as_bytes() && is_snapshot_ino(to_ino(ino)) {
+        } else if name == SNAPSHOT_XATTR.as_bytes() && is_snapshot_ino(ino) {
             self.fs
-                .snapshot_info(to_ino(ino))
+                .snapshot_info(ino)
                 .map(|s| s.to_json().to_string().into_bytes())
                 .ok_or(Error::NoData)
         } else {
-            self.fs.getxattr(to_ino(ino), name.as_bytes())
+            self.fs.getxattr(ino, name)
         };
         match r {
-            Ok(v) if size == 0 => reply.size(v.len() as u32),
-            Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
-            Ok(v) => reply.data(&v),
+            Ok(v) => sized(&v, size, reply),
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        match self.fs.listxattr(to_ino(ino)) {
+    pub(crate) fn listxattr(&self, nodeid: u64, size: u32, reply: impl AnswerXattr) {
+        match self.fs.listxattr(to_ino(nodeid)) {
             Ok(names) => {
                 let mut buf = Vec::new();
                 for n in names {
                     buf.extend_from_slice(&n);
                     buf.push(0);
                 }
-                if size == 0 {
-                    reply.size(buf.len() as u32)
-                } else if buf.len() > size as usize {
-                    reply.error(Errno::from_i32(libc::ERANGE))
-                } else {
-                    reply.data(&buf)
-                }
+                sized(&buf, size, reply)
             }
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.fs.removexattr(to_ino(ino), name.as_bytes()) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+    pub(crate) fn removexattr(&self, nodeid: u64, name: &[u8], reply: impl AnswerEmpty) {
+        empty(self.fs.removexattr(to_ino(nodeid), name), reply)
     }
 
-    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        match self
-            .fs
-            .access(to_ino(ino), mask.bits(), req.uid(), req.gid(), &[])
-        {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+    pub(crate) fn access(&self, c: &Caller, nodeid: u64, mask: i32, reply: impl AnswerEmpty) {
+        empty(
+            self.fs.access(to_ino(nodeid), mask, c.uid, c.gid, &[]),
+            reply,
+        )
     }
 
-    fn create(
+    pub(crate) fn create(
         &self,
-        req: &Request,
-        parent: INodeNo,
-        name: &OsStr,
+        c: &Caller,
+        parent: u64,
+        name: &[u8],
         mode: u32,
-        _umask: u32,
-        _flags: i32,
-        reply: ReplyCreate,
+        reply: impl AnswerCreate,
     ) {
-        let p = to_ino(parent);
-        let r = self.make(req, p, name, mode, 0).and_then(|a| {
+        let r = self.make(c, to_ino(parent), name, mode, 0).and_then(|a| {
             self.fs.open_ino(a.ino)?;
             Ok(a)
         });
@@ -868,66 +775,76 @@ impl Filesystem for FuseFs {
         }
     }
 
-    fn fallocate(
+    pub(crate) fn fallocate(
         &self,
-        req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
+        c: &Caller,
+        nodeid: u64,
         offset: u64,
         length: u64,
         mode: i32,
-        reply: ReplyEmpty,
+        reply: impl AnswerEmpty,
     ) {
         let known = libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE;
         if mode & !known != 0 {
-            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+            return reply.error(err(libc::EOPNOTSUPP));
         }
         let m = FallocMode {
             keep_size: mode & libc::FALLOC_FL_KEEP_SIZE != 0,
             punch_hole: mode & libc::FALLOC_FL_PUNCH_HOLE != 0,
         };
-        match self.fs.fallocate(to_ino(ino), offset, length, m) {
-            Ok(()) => {
-                self.drop_privs_unless_fsetid(req, to_ino(ino));
-                reply.ok()
-            }
-            Err(e) => reply.error(errno(&e)),
+        let ino = to_ino(nodeid);
+        let r = self.fs.fallocate(ino, offset, length, m);
+        if r.is_ok() {
+            self.drop_privs_unless_fsetid(c, ino);
         }
+        empty(r, reply)
     }
 
     /// Shares whole blocks instead of copying them (the kernel does not pass FICLONE
     /// to FUSE, so this is how `cp` gets a reflink); it has written back both ranges
     /// from its cache and drops the target's pages afterwards.
-    fn copy_file_range(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_file_range(
         &self,
-        req: &Request,
-        ino_in: INodeNo,
-        _fh_in: FileHandle,
+        c: &Caller,
+        nodeid_in: u64,
         offset_in: u64,
-        ino_out: INodeNo,
-        _fh_out: FileHandle,
+        nodeid_out: u64,
         offset_out: u64,
         len: u64,
-        flags: CopyFileRangeFlags,
-        reply: ReplyWrite,
+        flags: u64,
+        reply: impl AnswerWrite,
     ) {
-        if !flags.is_empty() {
-            return reply.error(Errno::from_i32(libc::EINVAL));
+        if flags != 0 {
+            return reply.error(err(libc::EINVAL));
         }
         // The reply counts in 32 bits; a short copy is allowed.
         let len = len.min(u64::from(u32::MAX) / 4096 * 4096);
         if len == 0 {
             return reply.written(0);
         }
+        let (ino_in, ino_out) = (to_ino(nodeid_in), to_ino(nodeid_out));
         match self
             .fs
-            .copy_file_range(to_ino(ino_in), offset_in, to_ino(ino_out), offset_out, len)
+            .copy_file_range(ino_in, offset_in, ino_out, offset_out, len)
         {
             Ok(n) => {
-                self.drop_privs_unless_fsetid(req, to_ino(ino_out));
+                self.drop_privs_unless_fsetid(c, ino_out);
                 reply.written(n as u32)
             }
             Err(e) => reply.error(errno(&e)),
         }
+    }
+}
+
+/// Answers an xattr request with `v`: its size when the caller asked with size 0,
+/// ERANGE when it does not fit.
+fn sized(v: &[u8], size: u32, reply: impl AnswerXattr) {
+    if size == 0 {
+        reply.size(v.len() as u32)
+    } else if v.len() > size as usize {
+        reply.error(err(libc::ERANGE))
+    } else {
+        reply.data(v)
     }
 }

@@ -1,0 +1,368 @@
+//! Requests read from `/dev/fuse` by fuser: its `Filesystem` trait, forwarded to the
+//! operations in [`super::ops`]. With FUSE over io_uring agreed, only INIT, FORGET
+//! and INTERRUPT still come this way.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    AccessFlags, CopyFileRangeFlags, FileHandle, Filesystem, INodeNo, InitFlags, KernelConfig,
+    LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
+    Request, TimeOrNow, WriteFlags,
+};
+
+use super::ops::{Caller, FuseFs, SetAttrIn};
+
+fn caller(req: &Request) -> Caller {
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+        pid: req.pid(),
+    }
+}
+
+impl Filesystem for FuseFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        if config
+            .capabilities()
+            .contains(InitFlags::FUSE_WRITEBACK_CACHE)
+        {
+            let _ = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE);
+        }
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // We clear set-id bits on write, truncate and chown ourselves; in return the
+        // kernel stops asking for security.capability before every write() (one
+        // GETXATTR round trip per write without it).
+        let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
+        // The kernel offers io_uring queues only with fuse's enable_uring parameter on.
+        // Once agreed, every request waits until the queues are registered, which the
+        // mount does right after INIT (see `uring::Rings::start`).
+        if self.uring
+            && config
+                .add_capabilities(InitFlags::FUSE_OVER_IO_URING)
+                .is_ok()
+        {
+            self.uring_agreed.store(true, Ordering::SeqCst);
+        }
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        let _ = config.set_max_background(64);
+        let _ = config.set_time_granularity(Duration::from_nanos(1));
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        FuseFs::destroy(self)
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        FuseFs::lookup(self, parent.0, name.as_bytes(), reply)
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        FuseFs::forget(self, ino.0, nlookup)
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        FuseFs::getattr(self, ino.0, reply)
+    }
+
+    fn setattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let s = SetAttrIn {
+            mode,
+            uid,
+            gid,
+            size,
+            atime,
+            mtime,
+            ctime,
+        };
+        FuseFs::setattr(self, &caller(req), ino.0, s, reply)
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        FuseFs::readlink(self, ino.0, reply)
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let c = caller(req);
+        FuseFs::mknod(self, &c, parent.0, name.as_bytes(), mode, rdev, reply)
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        FuseFs::mkdir(self, &caller(req), parent.0, name.as_bytes(), mode, reply)
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        FuseFs::unlink(self, parent.0, name.as_bytes(), reply)
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        FuseFs::rmdir(self, parent.0, name.as_bytes(), reply)
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let (name, target) = (link_name.as_bytes(), target.as_os_str().as_bytes());
+        FuseFs::symlink(self, &caller(req), parent.0, name, target, reply)
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let (name, newname) = (name.as_bytes(), newname.as_bytes());
+        FuseFs::rename(
+            self,
+            parent.0,
+            name,
+            newparent.0,
+            newname,
+            flags.bits(),
+            reply,
+        )
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        FuseFs::link(self, ino.0, newparent.0, newname.as_bytes(), reply)
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        FuseFs::open(self, ino.0, flags.0, reply)
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        FuseFs::read(self, ino.0, offset, size, reply)
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        FuseFs::write(self, ino.0, offset, data, write_flags, reply)
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        FuseFs::flush(self, reply)
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        FuseFs::release(self, ino.0, reply)
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        FuseFs::fsync(self, ino.0, datasync, reply)
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        FuseFs::opendir(self, ino.0, reply)
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        reply: ReplyDirectory,
+    ) {
+        FuseFs::readdir(self, ino.0, offset, reply)
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        reply: ReplyDirectoryPlus,
+    ) {
+        FuseFs::readdirplus(self, ino.0, offset, reply)
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        FuseFs::fsync(self, ino.0, datasync, reply)
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        FuseFs::statfs(self, reply)
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        FuseFs::setxattr(self, ino.0, name.as_bytes(), value, flags, reply)
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        FuseFs::getxattr(self, ino.0, name.as_bytes(), size, reply)
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        FuseFs::listxattr(self, ino.0, size, reply)
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        FuseFs::removexattr(self, ino.0, name.as_bytes(), reply)
+    }
+
+    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        FuseFs::access(self, &caller(req), ino.0, mask.bits(), reply)
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        FuseFs::create(self, &caller(req), parent.0, name.as_bytes(), mode, reply)
+    }
+
+    fn fallocate(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        FuseFs::fallocate(self, &caller(req), ino.0, offset, length, mode, reply)
+    }
+
+    fn copy_file_range(
+        &self,
+        req: &Request,
+        ino_in: INodeNo,
+        _fh_in: FileHandle,
+        offset_in: u64,
+        ino_out: INodeNo,
+        _fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        flags: CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        let c = caller(req);
+        let (i, o, f) = (ino_in.0, ino_out.0, flags.bits());
+        FuseFs::copy_file_range(self, &c, i, offset_in, o, offset_out, len, f, reply)
+    }
+}

@@ -1,0 +1,10 @@
+//! The FUSE front door: kernel requests, from `/dev/fuse` (through fuser) or from
+//! io_uring queues, mapped onto [`crate::Fs`].
+
+mod abi;
+mod answer;
+mod classic;
+mod ops;
+pub mod uring;
+
+pub use ops::{FuseFs, SNAPSHOT_XATTR, SPACE_XATTR, STATS_XATTR};
