@@ -16,6 +16,8 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
                 dirty tracking; W3 only, the seed-5 comparison)
   birchfs-sparse birchfs-file on a fresh sparse image file (what a plain   daemon stats
                 `birchfs mkfs IMAGE` makes; W3 only, to show what holes cost)
+  birchfs-uring birchfs-file mounted -o uring=on (FUSE requests through   daemon stats
+                io_uring queues instead of /dev/fuse; W1, W3, W4, W5)
   raw           a directory of the host filesystem, no loop (the limit)  none
   fuse-floor    libfuse's passthrough_ll example (-o writeback, like     loop sectors
                 birchfs) over ext4 on a loop device (the FUSE floor)      (of the ext4)
@@ -143,13 +145,14 @@ PROFILES = {
 }
 
 TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "birchfs-folio",
-           "birchfs-sparse", "raw", "fuse-floor"]
+           "birchfs-sparse", "birchfs-uring", "raw", "fuse-floor"]
 KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
-BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-sparse"]
+BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-sparse", "birchfs-uring"]
 # Targets that can take snapshots (the W2-snap variant runs on these only).
 SNAPSHOT_TARGETS = ["btrfs", "birchfs-loop", "birchfs-file"]
 # Targets that run only for some workloads.
-ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-sparse": {"W3"}}
+ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-sparse": {"W3"},
+            "birchfs-uring": {"W1", "W3", "W4", "W5"}}
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -159,6 +162,7 @@ LABELS = {
     "birchfs-file": "birchfs (file)",
     "birchfs-folio": "birchfs (file) block_dirty=off",
     "birchfs-sparse": "birchfs (file) sparse image",
+    "birchfs-uring": "birchfs (file) uring=on",
     "raw": "raw host dir",
     "fuse-floor": "FUSE floor",
 }
@@ -171,6 +175,7 @@ COLORS = {
     "birchfs-file": "#ff9896",
     "birchfs-folio": "#8c564b",
     "birchfs-sparse": "#e377c2",
+    "birchfs-uring": "#ff7f0e",
     "raw": "#7f7f7f",
     "fuse-floor": "#bcbd22",
 }
@@ -433,7 +438,7 @@ class Target:
             d.mkdir(parents=True)
             return d
         self.fresh_image()
-        if n in ("birchfs-file", "birchfs-folio", "birchfs-sparse"):
+        if n in ("birchfs-file", "birchfs-folio", "birchfs-sparse", "birchfs-uring"):
             if self.sparse:
                 run([BIRCHFS, "mkfs", "--size", self.image_size, self.img])
             else:
@@ -475,7 +480,8 @@ class Target:
 
     def birch_mount(self, image):
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        opts = ["-o", "block_dirty=off"] if self.name == "birchfs-folio" else []
+        opts = {"birchfs-folio": ["-o", "block_dirty=off"],
+                "birchfs-uring": ["-o", "uring=on"]}.get(self.name, [])
         run([BIRCHFS, "mount", "--log", self.log] + opts + [image, self.mp], timeout=60)
         if not is_mounted(self.mp):
             raise RunError(f"birchfs did not mount on {self.mp} (see {self.log})")

@@ -63,8 +63,8 @@ pub struct RingConfig {
 impl Default for RingConfig {
     fn default() -> Self {
         RingConfig {
-            threads: 2,
-            depth: 8,
+            threads: 4,
+            depth: 1,
         }
     }
 }
