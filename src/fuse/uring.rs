@@ -122,7 +122,7 @@ impl Rings {
     /// kernel fall back to `/dev/fuse` for the connection.
     pub fn start(fs: &FuseFs, dev: BorrowedFd<'_>, cfg: RingConfig) -> std::io::Result<Rings> {
         let queues = possible_cpus();
-        let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let usable = usable_cpus();
         let mut threads = Vec::new();
         let (tx, rx) = std::sync::mpsc::channel::<std::io::Result<()>>();
         let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
@@ -130,7 +130,7 @@ impl Rings {
             let fd = dev.try_clone_to_owned()?;
             let (fs, tx, ended_tx) = (fs.clone(), tx.clone(), ended_tx.clone());
             let depth = cfg.depth.clamp(1, 256);
-            let pin = q < online;
+            let pin = usable.contains(&q);
             let h = std::thread::Builder::new()
                 .name(format!("uring-{q}.{t}"))
                 .spawn(move || {
@@ -146,7 +146,14 @@ impl Rings {
         };
         let mut first_err = None;
         'spawning: for q in 0..queues {
-            for t in 0..cfg.threads.max(1) {
+            // A queue of a CPU this process may not run on (offline, or outside its
+            // affinity) takes requests only from callers there: one thread is enough.
+            let per_queue = if usable.contains(&q) {
+                cfg.threads.max(1)
+            } else {
+                1
+            };
+            for t in 0..per_queue {
                 if let Err(e) = spawn(q, t) {
                     first_err = Some(e);
                     break 'spawning;
@@ -200,6 +207,20 @@ fn give_up(dev: BorrowedFd<'_>, queues: usize) {
     match r {
         Ok(()) => tracing::warn!("FUSE io_uring set-up failed; back to /dev/fuse"),
         Err(e) => tracing::error!("FUSE io_uring set-up failed and cannot be undone: {e}"),
+    }
+}
+
+/// The CPUs this process may run on.
+fn usable_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set that sched_getaffinity fills.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..8 * std::mem::size_of::<libc::cpu_set_t>())
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
     }
 }
 
