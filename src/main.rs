@@ -562,19 +562,17 @@ fn mount_serve(
     let mut session = fuser::Session::new(ffs, mountpoint, &cfg)
         .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
     let rings = if served.uring_agreed() {
-        match uring::Rings::start(&served, session.as_fd(), mo.ring) {
-            Ok(r) => {
-                tracing::info!("serving FUSE requests through io_uring queues");
-                Some(r)
-            }
+        let (rings, r) = uring::Rings::start(&served, session.as_fd(), mo.ring);
+        match r {
+            Ok(()) => tracing::info!("serving FUSE requests through io_uring queues"),
             Err(e) if mo.uring == UringMode::On => {
                 bail!("uring=on, but the io_uring queues could not be registered: {e}")
             }
-            Err(e) => {
-                tracing::warn!("io_uring queues failed ({e}); serving through /dev/fuse");
-                None
-            }
+            Err(e) => tracing::warn!(
+                "io_uring queues failed ({e}); see the log for which way requests go now"
+            ),
         }
+        Some(rings)
     } else if mo.uring == UringMode::On {
         bail!("uring=on, but the kernel did not agree to FUSE over io_uring at INIT");
     } else {

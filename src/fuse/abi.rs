@@ -147,10 +147,17 @@ pub(crate) fn strings<const N: usize>(payload: &[u8]) -> Option<([&[u8]; N], &[u
     Some((out, rest))
 }
 
-/// A reply body being written into a ring entry's payload buffer.
+/// A reply body being written: into a ring entry's payload buffer, or into a staging
+/// buffer (copied into the payload once the request's own bytes are no longer read).
 pub(crate) struct Body<'a> {
-    buf: &'a mut [u8],
+    out: Out<'a>,
     len: usize,
+    limit: usize,
+}
+
+enum Out<'a> {
+    Slice(&'a mut [u8]),
+    Vec(&'a mut Vec<u8>),
 }
 
 /// The reply did not fit the payload buffer.
@@ -158,8 +165,23 @@ pub(crate) struct Body<'a> {
 pub(crate) struct Overflow;
 
 impl<'a> Body<'a> {
+    /// A body written into `buf`, `len` bytes of it written already.
     pub(crate) fn new(buf: &'a mut [u8], len: usize) -> Body<'a> {
-        Body { buf, len }
+        let limit = buf.len();
+        Body {
+            out: Out::Slice(buf),
+            len,
+            limit,
+        }
+    }
+
+    /// A body written into `v` (its first `len` bytes kept), at most `limit` bytes.
+    pub(crate) fn staged(v: &'a mut Vec<u8>, len: usize, limit: usize) -> Body<'a> {
+        Body {
+            out: Out::Vec(v),
+            len,
+            limit,
+        }
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -168,10 +190,17 @@ impl<'a> Body<'a> {
 
     pub(crate) fn bytes(&mut self, b: &[u8]) -> Result<(), Overflow> {
         let end = self.len + b.len();
-        self.buf
-            .get_mut(self.len..end)
-            .ok_or(Overflow)?
-            .copy_from_slice(b);
+        if end > self.limit {
+            return Err(Overflow);
+        }
+        match &mut self.out {
+            Out::Slice(s) => s.get_mut(self.len..end).ok_or(Overflow)?.copy_from_slice(b),
+            Out::Vec(v) => {
+                v.truncate(self.len);
+                v.resize(self.len, 0);
+                v.extend_from_slice(b);
+            }
+        }
         self.len = end;
         Ok(())
     }
@@ -253,7 +282,7 @@ impl<'a> Body<'a> {
     ) -> Result<(), Overflow> {
         let head = if plus.is_some() { 128 } else { 0 };
         let size = head + (24 + name.len()).next_multiple_of(8);
-        if self.len + size > self.buf.len() {
+        if self.len + size > self.limit {
             return Err(Overflow);
         }
         if let Some((ttl, a, gen)) = plus {
@@ -393,6 +422,18 @@ mod tests {
         let a = Args::new(&buf);
         assert_eq!((a.u64(0), a.u64(8), a.u32(16), a.u32(20)), (5, 1, 3, 8));
         assert_eq!(&buf[24..27], b"abc");
+    }
+
+    #[test]
+    fn a_staged_body_has_the_same_bytes_and_limit_as_a_slice() {
+        let mut buf = [0u8; 40];
+        let mut v = Vec::new();
+        for mut body in [Body::new(&mut buf, 0), Body::staged(&mut v, 0, 40)] {
+            body.dirent(5, 1, 8, b"abc", None).unwrap();
+            assert!(body.u64(1).is_ok() && body.bytes(&[0u8; 1]).is_err());
+            assert_eq!(body.len(), 40);
+        }
+        assert_eq!(&buf[..], &v[..]);
     }
 
     #[test]

@@ -69,9 +69,10 @@ impl Default for RingConfig {
     }
 }
 
-/// Whether this process can make the io_uring the transport needs (128-byte entries).
+/// Whether this process can make the io_uring the transport needs (128-byte entries)
+/// and knows the kernel's number of queues (its possible CPUs).
 pub fn available() -> bool {
-    new_ring(4).is_ok()
+    new_ring(4).is_ok() && cpu_list("possible").is_some()
 }
 
 /// Path of fuse's module parameter that lets the kernel offer io_uring queues.
@@ -90,22 +91,16 @@ fn new_ring(entries: u32) -> std::io::Result<IoUring<squeue::Entry128, cqueue::E
         .or_else(|_| IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(entries))
 }
 
-/// The number of possible CPUs: the kernel's count of queues.
-fn possible_cpus() -> usize {
-    let list = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap_or_default();
-    let n: usize = list
-        .trim()
-        .split(',')
-        .filter_map(|r| match r.split_once('-') {
-            Some((a, b)) => Some(b.parse::<usize>().ok()? + 1 - a.parse::<usize>().ok()?),
-            None => r.parse::<usize>().ok().map(|_| 1),
-        })
-        .sum();
-    if n == 0 {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    } else {
-        n
+/// A CPU list of sysfs (`/sys/devices/system/cpu/NAME`, such as `0-3,6`).
+fn cpu_list(name: &str) -> Option<Vec<usize>> {
+    let text = std::fs::read_to_string(format!("/sys/devices/system/cpu/{name}")).ok()?;
+    let mut cpus = Vec::new();
+    for r in text.trim().split(',').filter(|r| !r.is_empty()) {
+        let (a, b) = r.split_once('-').unwrap_or((r, r));
+        let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+        cpus.extend(a..=b.min(a + 65535));
     }
+    (!cpus.is_empty()).then_some(cpus)
 }
 
 /// The threads serving a mount's io_uring queues.
@@ -118,14 +113,32 @@ pub struct Rings {
 impl Rings {
     /// Registers ring entries for every queue of the FUSE connection `dev` (whose
     /// INIT agreed to io_uring) and starts serving them. Returns once every thread
-    /// has registered its entries or one failed; a failed registration makes the
-    /// kernel fall back to `/dev/fuse` for the connection.
-    pub fn start(fs: &FuseFs, dev: BorrowedFd<'_>, cfg: RingConfig) -> std::io::Result<Rings> {
-        let queues = possible_cpus();
-        let usable = usable_cpus();
-        let mut threads = Vec::new();
+    /// has registered its entries or one failed, with the threads that run either way
+    /// (to be joined at unmount). After a failure the kernel serves the connection
+    /// through `/dev/fuse` unless every queue had an entry already; then the threads
+    /// that did start go on serving.
+    pub fn start(
+        fs: &FuseFs,
+        dev: BorrowedFd<'_>,
+        cfg: RingConfig,
+    ) -> (Rings, std::io::Result<()>) {
         let (tx, rx) = std::sync::mpsc::channel::<std::io::Result<()>>();
         let (ended_tx, ended) = std::sync::mpsc::channel::<()>();
+        let mut rings = Rings {
+            threads: Vec::new(),
+            ended,
+        };
+        // `available` said the list is there; a kernel whose queues cannot be counted
+        // is never offered io_uring at INIT.
+        let Some(possible) = cpu_list("possible") else {
+            give_up(dev);
+            return (
+                rings,
+                Err(std::io::Error::other("no list of possible CPUs")),
+            );
+        };
+        let online = cpu_list("online").unwrap_or_default();
+        let usable = usable_cpus();
         let mut spawn = |q: usize, t: usize| -> std::io::Result<()> {
             let fd = dev.try_clone_to_owned()?;
             let (fs, tx, ended_tx) = (fs.clone(), tx.clone(), ended_tx.clone());
@@ -141,14 +154,15 @@ impl Rings {
                     drop(fs);
                     let _ = ended_tx.send(());
                 })?;
-            threads.push(h);
+            rings.threads.push(h);
             Ok(())
         };
         let mut first_err = None;
-        'spawning: for q in 0..queues {
-            // A queue of a CPU this process may not run on (offline, or outside its
-            // affinity) takes requests only from callers there: one thread is enough.
-            let per_queue = if usable.contains(&q) {
+        // The kernel numbers its queues 0..num_possible_cpus() and puts a request on
+        // the queue of its caller's CPU.
+        'spawning: for q in 0..possible.len() {
+            // A CPU that is offline sends nothing until it comes online: one thread.
+            let per_queue = if online.is_empty() || online.contains(&q) {
                 cfg.threads.max(1)
             } else {
                 1
@@ -161,17 +175,17 @@ impl Rings {
             }
         }
         drop(tx);
-        for r in rx.iter().take(threads.len()) {
+        for r in rx.iter().take(rings.threads.len()) {
             if let Err(e) = r {
                 first_err.get_or_insert(e);
             }
         }
         match first_err {
             Some(e) => {
-                give_up(dev, queues);
-                Err(e)
+                give_up(dev);
+                (rings, Err(e))
             }
-            None => Ok(Rings { threads, ended }),
+            None => (rings, Ok(())),
         }
     }
 
@@ -193,19 +207,32 @@ impl Rings {
 }
 
 /// Makes the kernel stop waiting for queues that will not all be registered: a
-/// registration it must refuse (a queue past the last) turns io_uring off for the
-/// connection, and requests go through `/dev/fuse` again.
-fn give_up(dev: BorrowedFd<'_>, queues: usize) {
-    let r = (|| -> std::io::Result<()> {
+/// registration it must refuse (a queue number past any CPU) turns io_uring off for
+/// the connection, and requests go through `/dev/fuse` again. (Once every queue has
+/// an entry the kernel keeps using the queues; this then changes nothing.)
+fn give_up(dev: BorrowedFd<'_>) {
+    let r = (|| -> std::io::Result<bool> {
         let mut ring = new_ring(4)?;
         let e = EntryBuf::new();
-        let sqe = register(types::Fd(dev.as_raw_fd()), queues as u16, &e, 0);
+        let sqe = register(types::Fd(dev.as_raw_fd()), u16::MAX, &e, 0);
         push_all(&mut ring, &[sqe])?;
-        ring.submit_and_wait(1)?;
-        Ok(())
+        ring.submit()?;
+        for _ in 0..100 {
+            if let Some(c) = ring.completion().next() {
+                return Ok(c.result() < 0);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            ring.submit()?;
+        }
+        // Taken after all (it cannot be, for 65,535 CPUs): the kernel may use the
+        // buffers, so they stay.
+        std::mem::forget(e);
+        std::mem::forget(ring);
+        Ok(false)
     })();
     match r {
-        Ok(()) => tracing::warn!("FUSE io_uring set-up failed; back to /dev/fuse"),
+        Ok(true) => tracing::warn!("FUSE io_uring set-up failed; back to /dev/fuse"),
+        Ok(false) => tracing::error!("FUSE io_uring set-up failed; the kernel did not answer"),
         Err(e) => tracing::error!("FUSE io_uring set-up failed and cannot be undone: {e}"),
     }
 }
@@ -249,6 +276,10 @@ struct EntryBuf {
     payload: *mut u8,
     /// The iovecs the registration names (read by the kernel when it is submitted).
     iov: [libc::iovec; 2],
+    /// An answer to a request that brought bytes in its payload (names, data),
+    /// written here while the handler still reads them and copied into the payload
+    /// by the owning thread before it commits.
+    staged: parking_lot::Mutex<Option<Vec<u8>>>,
 }
 
 impl EntryBuf {
@@ -268,6 +299,7 @@ impl EntryBuf {
                     iov_len: PAYLOAD_SIZE,
                 },
             ],
+            staged: Default::default(),
         }
     }
 }
@@ -294,6 +326,8 @@ struct Slab {
     entries: Box<[EntryBuf]>,
     answered: parking_lot::Mutex<Vec<u16>>,
     wake: OwnedFd,
+    /// Where the pending read of `wake` puts its count (written by the kernel only).
+    wake_buf: std::cell::UnsafeCell<[u8; 8]>,
 }
 
 // SAFETY: the raw buffers are only touched by the one party that owns the entry at a
@@ -349,6 +383,7 @@ fn serve(
             entries,
             answered: Default::default(),
             wake,
+            wake_buf: std::cell::UnsafeCell::new([0; 8]),
         });
         Ok((ring, slab))
     };
@@ -360,12 +395,11 @@ fn serve(
         }
     };
     OWN_SLAB.with(|s| s.set(Arc::as_ptr(&slab)));
-    let mut wake_buf = [0u8; 8];
     let fd = types::Fd(dev.as_raw_fd());
     let mut sqes: Vec<squeue::Entry128> = (0..depth)
         .map(|i| register(fd, qid, &slab.entries[i], i as u64))
         .collect();
-    sqes.push(wake_read(&slab, &mut wake_buf));
+    sqes.push(wake_read(&slab));
     let pushed = push_all(&mut ring, &sqes).and_then(|()| ring.submit().map(|_| ()));
     // A registration the kernel refuses completes at once with its error; a request
     // may already have arrived in another entry, and is served below.
@@ -391,15 +425,24 @@ fn serve(
         (Ok(()), None) => Ok(()),
     });
     let mut commit_ids = vec![0u64; depth];
+    // Refusals in a row per entry: a commit the kernel refuses while the connection
+    // lives leaves the entry unusable, so it is registered again, a few times.
+    let mut refusals = vec![0u32; depth];
+    let mut wait_errors = 0u32;
     let mut first = true;
     while live > 0 {
         if !first {
             match ring.submit_and_wait(1) {
-                Ok(_) => {}
+                Ok(_) => wait_errors = 0,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
                 Err(e) => {
+                    wait_errors += 1;
                     tracing::error!("FUSE io_uring queue {qid}: wait failed: {e}");
+                    if wait_errors >= 100 {
+                        tracing::error!("FUSE io_uring queue {qid}: giving up its thread");
+                        break;
+                    }
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }
@@ -407,34 +450,65 @@ fn serve(
             cqes.extend(ring.completion().map(|c| (c.user_data(), c.result())));
         }
         first = false;
-        let mut rearm = false;
+        let mut next: Vec<squeue::Entry128> = Vec::new();
         for &(ud, res) in &cqes {
             if ud == WAKE {
-                rearm = true;
+                next.push(wake_read(&slab));
                 continue;
             }
             let idx = ud as usize;
             if res < 0 {
-                // ENOTCONN/ECANCELED: the connection is going away.
+                let gone = [libc::ENOTCONN, libc::ECANCELED, libc::ECONNABORTED];
                 let e = std::io::Error::from_raw_os_error(-res);
-                tracing::debug!("FUSE io_uring queue {qid}: entry {idx} ended: {e}");
-                live -= 1;
+                if gone.contains(&-res) || refusals[idx] >= 3 {
+                    // The connection is going away (or the entry keeps failing).
+                    tracing::debug!("FUSE io_uring queue {qid}: entry {idx} ended: {e}");
+                    live -= 1;
+                } else {
+                    tracing::warn!("FUSE io_uring queue {qid}: entry {idx} refused ({e}); registering it again");
+                    refusals[idx] += 1;
+                    next.push(register(fd, qid, &slab.entries[idx], idx as u64));
+                }
                 continue;
             }
-            commit_ids[idx] = dispatch(fs, &slab, idx as u16);
+            refusals[idx] = 0;
+            commit_ids[idx] = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                dispatch(fs, &slab, idx as u16)
+            })) {
+                Ok(id) => id,
+                Err(_) => {
+                    // The reply, dropped while unwinding, posted EIO; the request's
+                    // id is where the kernel put it.
+                    tracing::error!("FUSE io_uring queue {qid}: a request handler panicked");
+                    commit_id_of(&slab.entries[idx])
+                }
+            };
         }
-        let mut next: Vec<squeue::Entry128> = std::mem::take(&mut *slab.answered.lock())
-            .into_iter()
-            .map(|i| commit(fd, qid, commit_ids[i as usize], i as u64))
-            .collect();
-        if rearm {
-            next.push(wake_read(&slab, &mut wake_buf));
+        for i in std::mem::take(&mut *slab.answered.lock()) {
+            let e = &slab.entries[i as usize];
+            if let Some(body) = e.staged.lock().take() {
+                // SAFETY: the entry is answered and not yet committed: its buffers are
+                // this thread's, and no handler reads the request any more.
+                unsafe { std::ptr::copy_nonoverlapping(body.as_ptr(), e.payload, body.len()) };
+            }
+            next.push(commit(fd, qid, commit_ids[i as usize], i as u64));
         }
         if let Err(e) = push_all(&mut ring, &next) {
             tracing::error!("FUSE io_uring queue {qid}: cannot queue answers: {e}");
         }
     }
     OWN_SLAB.with(|s| s.set(std::ptr::null()));
+    // The ring goes first: closing it ends the kernel's use of the buffers.
+    drop(ring);
+    drop(slab);
+}
+
+/// The commit id the kernel gave the request in `e`.
+fn commit_id_of(e: &EntryBuf) -> u64 {
+    // SAFETY: reads 8 bytes within the header buffer, which the kernel does not write
+    // while the entry holds a request.
+    let h = unsafe { std::slice::from_raw_parts(e.header, abi::RING_HEADER_SIZE) };
+    Args::new(&h[abi::ENT_IN_OUT..]).u64(8)
 }
 
 /// Pushes `sqes`, submitting first whenever the submission queue is full.
@@ -491,11 +565,15 @@ fn with_len(sqe: squeue::Entry128, len: u32) -> squeue::Entry128 {
     unsafe { std::mem::transmute(raw) }
 }
 
-fn wake_read(slab: &Slab, buf: &mut [u8; 8]) -> squeue::Entry128 {
+fn wake_read(slab: &Slab) -> squeue::Entry128 {
     squeue::Entry128::from(
-        opcode::Read::new(types::Fd(slab.wake.as_raw_fd()), buf.as_mut_ptr(), 8)
-            .build()
-            .user_data(WAKE),
+        opcode::Read::new(
+            types::Fd(slab.wake.as_raw_fd()),
+            slab.wake_buf.get().cast(),
+            8,
+        )
+        .build()
+        .user_data(WAKE),
     )
 }
 
@@ -507,8 +585,10 @@ fn einval() -> Errno {
 fn dispatch(fs: &FuseFs, slab: &Arc<Slab>, idx: u16) -> u64 {
     let e = &slab.entries[idx as usize];
     // SAFETY: the entry holds a request: its buffers are this thread's until the
-    // answer is posted, and the answer is written only after the handler has read its
-    // arguments (every handler answers last).
+    // answer is posted. The answer writes the header's first 16 bytes and the payload
+    // size, never the argument area the handler reads (`op`); and it writes the
+    // payload only when the request brought nothing there (else it is staged, see
+    // `EntryBuf::staged`).
     let header = unsafe { std::slice::from_raw_parts(e.header, abi::RING_HEADER_SIZE) };
     let h = InHeader::parse(&header[..abi::IN_OUT_SIZE]);
     let op = Args::new(&header[abi::IN_OUT_SIZE..abi::ENT_IN_OUT]);
@@ -523,6 +603,7 @@ fn dispatch(fs: &FuseFs, slab: &Arc<Slab>, idx: u16) -> u64 {
         unique: h.unique,
         len: 0,
         limit: PAYLOAD_SIZE,
+        staged: (len > 0).then(Vec::new),
     };
     let c = Caller {
         uid: h.uid,
@@ -675,17 +756,24 @@ pub(crate) struct RingReply {
     len: usize,
     /// Most bytes the body may take.
     limit: usize,
+    /// The body, while the request's own payload may still be read (see
+    /// `EntryBuf::staged`); None: the body goes straight into the payload.
+    staged: Option<Vec<u8>>,
 }
 
 impl RingReply {
     /// The reply body, from `self.len` on.
     fn body(&mut self) -> Body<'_> {
+        if let Some(v) = &mut self.staged {
+            return Body::staged(v, self.len, self.limit);
+        }
         let slab = self
             .slab
             .as_ref()
             .expect("an answered reply is not written again");
         let e = &slab.entries[self.idx as usize];
-        // SAFETY: the entry's buffers are this reply's until it is posted.
+        // SAFETY: the entry's buffers are this reply's until it is posted, and the
+        // request brought no payload that a handler could still be reading.
         let buf = unsafe { std::slice::from_raw_parts_mut(e.payload, self.limit) };
         Body::new(buf, self.len)
     }
@@ -697,6 +785,12 @@ impl RingReply {
         };
         let e = &slab.entries[self.idx as usize];
         let body = if error == 0 { body } else { 0 };
+        if let Some(mut v) = self.staged.take() {
+            if body > 0 {
+                v.truncate(body);
+                *e.staged.lock() = Some(v);
+            }
+        }
         // SAFETY: the entry's header is this reply's until it is posted.
         let header = unsafe { std::slice::from_raw_parts_mut(e.header, abi::RING_HEADER_SIZE) };
         header[0..4].copy_from_slice(&(16 + body as u32).to_ne_bytes());
