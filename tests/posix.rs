@@ -1737,6 +1737,17 @@ fn utimensat_sets_exact_nanoseconds() {
     let s = stat(&f);
     assert_eq!(atime(&s), (0, 0));
     assert_eq!(mtime(&s), (1, 0));
+    // before the epoch, with a fraction: -2.75 s is (-3 s, +0.25 s), stored as such
+    // (fuser's decoding made it -3.25 s)
+    utimens(&d, (-3, 250_000_000), (-1_000_000_000, 999_999_999)).unwrap();
+    m.remount();
+    let s = stat(&d);
+    assert_eq!(atime(&s), (-3, 250_000_000), "atime before the epoch");
+    assert_eq!(
+        mtime(&s),
+        (-1_000_000_000, 999_999_999),
+        "mtime before the epoch"
+    );
 
     // UTIME_OMIT leaves a time alone; UTIME_NOW takes the current time
     utimens(&f, at, mt).unwrap();

@@ -6,7 +6,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     AccessFlags, CopyFileRangeFlags, FileHandle, Filesystem, INodeNo, InitFlags, KernelConfig,
@@ -16,6 +16,28 @@ use fuser::{
 };
 
 use super::ops::{Caller, FuseFs, SetAttrIn};
+
+/// The time the kernel sent, from fuser's decoding of it. fuser turns a time before
+/// the epoch, which the kernel sends as whole seconds (negative) plus nanoseconds
+/// (forward), into seconds minus nanoseconds: -2.75 s, sent as (-3, 0.25), became
+/// -3.25 s. Its seconds and nanoseconds are still apart, so the sent time is found.
+fn sent_time(t: SystemTime) -> SystemTime {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(_) => t,
+        Err(e) => {
+            let d = e.duration();
+            UNIX_EPOCH - Duration::from_secs(d.as_secs())
+                + Duration::from_nanos(u64::from(d.subsec_nanos()))
+        }
+    }
+}
+
+fn sent(t: TimeOrNow) -> TimeOrNow {
+    match t {
+        TimeOrNow::SpecificTime(t) => TimeOrNow::SpecificTime(sent_time(t)),
+        now => now,
+    }
+}
 
 fn caller(req: &Request) -> Caller {
     Caller {
@@ -94,9 +116,9 @@ impl Filesystem for FuseFs {
             uid,
             gid,
             size,
-            atime,
-            mtime,
-            ctime,
+            atime: atime.map(sent),
+            mtime: mtime.map(sent),
+            ctime: ctime.map(sent_time),
         };
         FuseFs::setattr(self, &caller(req), ino.0, s, reply)
     }
@@ -364,5 +386,29 @@ impl Filesystem for FuseFs {
         let c = caller(req);
         let (i, o, f) = (ino_in.0, ino_out.0, flags.bits());
         FuseFs::copy_file_range(self, &c, i, offset_in, o, offset_out, len, f, reply)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_before_the_epoch_are_the_ones_the_kernel_sent() {
+        // What fuser 0.18 makes of (secs, nsecs) with secs < 0.
+        let fuser = |secs: u64, nsecs: u32| UNIX_EPOCH - Duration::new(secs, nsecs);
+        let at = |secs: i64, nsecs: u32| {
+            UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs())
+                + Duration::from_nanos(nsecs.into())
+        };
+        assert_eq!(sent_time(fuser(3, 250_000_000)), at(-3, 250_000_000));
+        assert_eq!(sent_time(fuser(1, 999_999_999)), at(-1, 999_999_999));
+        assert_eq!(sent_time(fuser(5, 0)), at(-5, 0));
+        let after = UNIX_EPOCH + Duration::new(7, 5);
+        assert_eq!(
+            sent_time(after),
+            after,
+            "times after the epoch pass unchanged"
+        );
     }
 }
