@@ -219,3 +219,40 @@ fn bad_ring_options_are_refused_with_a_message() {
         assert!(!m.is_mounted());
     }
 }
+
+#[test]
+fn a_queue_that_cannot_be_registered_sends_the_kernel_back_to_dev_fuse() {
+    if !kernel_has_uring() {
+        return;
+    }
+    // Once INIT agreed to io_uring, the kernel holds every request until each CPU's
+    // queue has an entry: a queue that never gets one must be answered with a refused
+    // registration, or the mount hangs.
+    let mut m = Mount::unmounted("256M");
+    m.set_daemon_env("BIRCHFS_TEST_URING_FAIL_QUEUE", "0");
+    let out = m.try_mount(&["uring=on"]);
+    assert!(
+        !out.status.success(),
+        "uring=on must fail when a queue cannot start"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("failed on purpose"), "{err}");
+    assert!(!m.is_mounted());
+
+    m.mount_with(&["uring=auto"]);
+    let root = m.root().to_path_buf();
+    let worker = std::thread::spawn(move || {
+        fs::write(root.join("f"), b"through /dev/fuse").unwrap();
+        fs::read(root.join("f")).unwrap()
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !worker.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "requests hang: the kernel still waits for the io_uring queues"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(worker.join().unwrap(), b"through /dev/fuse");
+    assert_eq!(uring_requests(&m), 0, "the queues never served a request");
+}

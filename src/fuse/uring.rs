@@ -103,6 +103,10 @@ fn cpu_list(name: &str) -> Option<Vec<usize>> {
     (!cpus.is_empty()).then_some(cpus)
 }
 
+/// Environment variable naming a queue whose threads fail before registering (tests:
+/// the kernel must then be told to go back to `/dev/fuse`).
+const FAIL_QUEUE_HOOK: &str = "BIRCHFS_TEST_URING_FAIL_QUEUE";
+
 /// The threads serving a mount's io_uring queues.
 pub struct Rings {
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -139,8 +143,22 @@ impl Rings {
         };
         let online = cpu_list("online").unwrap_or_default();
         let usable = usable_cpus();
+        // Test hook: the threads of this queue fail before they register anything.
+        let fail_queue: Option<usize> = std::env::var(FAIL_QUEUE_HOOK)
+            .ok()
+            .and_then(|v| v.parse().ok());
+        // Threads that will report whether they registered.
+        let mut expected = 0;
         let mut spawn = |q: usize, t: usize| -> std::io::Result<()> {
-            let fd = dev.try_clone_to_owned()?;
+            expected += 1;
+            if fail_queue == Some(q) {
+                let e = std::io::Error::other(format!(
+                    "queue {q} failed on purpose ({FAIL_QUEUE_HOOK})"
+                ));
+                let _ = tx.send(Err(e));
+                return Ok(());
+            }
+            let fd = dev.try_clone_to_owned().inspect_err(|_| expected -= 1)?;
             let (fs, tx, ended_tx) = (fs.clone(), tx.clone(), ended_tx.clone());
             let depth = cfg.depth.clamp(1, 256);
             let pin = usable.contains(&q);
@@ -153,7 +171,8 @@ impl Rings {
                     serve(&fs, fd, q as u16, depth, tx);
                     drop(fs);
                     let _ = ended_tx.send(());
-                })?;
+                })
+                .inspect_err(|_| expected -= 1)?;
             rings.threads.push(h);
             Ok(())
         };
@@ -175,7 +194,7 @@ impl Rings {
             }
         }
         drop(tx);
-        for r in rx.iter().take(rings.threads.len()) {
+        for r in rx.iter().take(expected) {
             if let Err(e) = r {
                 first_err.get_or_insert(e);
             }

@@ -269,6 +269,8 @@ pub struct Mount {
     attempts: u32,
     /// The loop device `img` names, detached on drop.
     loop_dev: Option<PathBuf>,
+    /// Environment variables the daemon gets (test hooks).
+    daemon_env: Vec<(String, String)>,
 }
 
 impl Mount {
@@ -327,7 +329,13 @@ impl Mount {
             mounted: false,
             attempts: 0,
             loop_dev: None,
+            daemon_env: Vec::new(),
         }
+    }
+
+    /// Sets an environment variable for the daemons of later mounts (a test hook).
+    pub fn set_daemon_env(&mut self, key: &str, value: &str) {
+        self.daemon_env.push((key.to_string(), value.to_string()));
     }
 
     /// A sparse file of `size` on a loop device (direct I/O, as the benchmark sets it
@@ -437,6 +445,7 @@ impl Mount {
         let err_file = File::create(&err_path).expect("create mount log");
         let mut cmd = Command::new(BIN);
         cmd.arg("mount");
+        cmd.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
         let mut opts: Vec<&str> = opts.to_vec();
         let extra = extra_mount_options();
         opts.extend(extra.iter().map(|s| s.as_str()));
