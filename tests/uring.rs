@@ -15,18 +15,16 @@ use std::fs;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 
+use birchfs::fuse::uring::{enabled_in_kernel, ENABLE_PARAM};
 use common::*;
 
-const ENABLE_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
-
 fn kernel_has_uring() -> bool {
-    let on = |v: &str| v.trim() == "Y" || v.trim() == "1";
     match fs::read_to_string(ENABLE_PARAM) {
         Err(_) => {
             eprintln!("skipped: this kernel has no FUSE over io_uring ({ENABLE_PARAM} is missing)");
             false
         }
-        Ok(v) if on(&v) => true,
+        Ok(_) if enabled_in_kernel() => true,
         // What `-o uring=on` does; `make test` sets the parameter back afterwards.
         Ok(_) if fs::write(ENABLE_PARAM, "1").is_ok() => true,
         Ok(_) => {

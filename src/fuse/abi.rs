@@ -196,7 +196,6 @@ impl<'a> Body<'a> {
         match &mut self.out {
             Out::Slice(s) => s.get_mut(self.len..end).ok_or(Overflow)?.copy_from_slice(b),
             Out::Vec(v) => {
-                v.truncate(self.len);
                 v.resize(self.len, 0);
                 v.extend_from_slice(b);
             }

@@ -267,7 +267,8 @@ pub(crate) fn errno(e: &Error) -> Errno {
     Errno::from_i32(e.errno())
 }
 
-fn err(code: i32) -> Errno {
+/// The errno `code` (a libc constant).
+pub(crate) fn err(code: i32) -> Errno {
     Errno::from_i32(code)
 }
 

@@ -37,7 +37,7 @@ use super::answer::{
     Answer, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty,
     AnswerEntry, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr,
 };
-use super::ops::{Caller, FuseFs, SetAttrIn};
+use super::ops::{err, Caller, FuseFs, SetAttrIn};
 
 /// `FUSE_IO_URING_CMD_REGISTER`: hand an entry to the kernel and wait for a request.
 const CMD_REGISTER: u32 = 1;
@@ -491,17 +491,12 @@ fn serve(
                 continue;
             }
             refusals[idx] = 0;
-            commit_ids[idx] = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                dispatch(fs, &slab, idx as u16)
-            })) {
-                Ok(id) => id,
-                Err(_) => {
-                    // The reply, dropped while unwinding, posted EIO; the request's
-                    // id is where the kernel put it.
-                    tracing::error!("FUSE io_uring queue {qid}: a request handler panicked");
-                    commit_id_of(&slab.entries[idx])
-                }
-            };
+            commit_ids[idx] = commit_id_of(&slab.entries[idx]);
+            let run = std::panic::AssertUnwindSafe(|| dispatch(fs, &slab, idx as u16));
+            if std::panic::catch_unwind(run).is_err() {
+                // The reply, dropped while unwinding, posted EIO.
+                tracing::error!("FUSE io_uring queue {qid}: a request handler panicked");
+            }
         }
         for i in std::mem::take(&mut *slab.answered.lock()) {
             let e = &slab.entries[i as usize];
@@ -522,10 +517,10 @@ fn serve(
     drop(slab);
 }
 
-/// The commit id the kernel gave the request in `e`.
+/// The commit id the kernel gave the request in `e` (answers never write it).
 fn commit_id_of(e: &EntryBuf) -> u64 {
-    // SAFETY: reads 8 bytes within the header buffer, which the kernel does not write
-    // while the entry holds a request.
+    // SAFETY: reads within the header buffer, which is this thread's while the entry
+    // holds a request.
     let h = unsafe { std::slice::from_raw_parts(e.header, abi::RING_HEADER_SIZE) };
     Args::new(&h[abi::ENT_IN_OUT..]).u64(8)
 }
@@ -538,8 +533,8 @@ fn push_all(
     for e in sqes {
         loop {
             // SAFETY: every buffer an entry names (iovecs, entry buffers, the wake
-            // buffer) lives in the slab or the serving frame, both of which outlive
-            // the ring's use of them.
+            // buffer) lives in the slab, which outlives the ring (`serve` closes the
+            // ring first).
             if unsafe { ring.submission().push(e) }.is_ok() {
                 break;
             }
@@ -596,12 +591,17 @@ fn wake_read(slab: &Slab) -> squeue::Entry128 {
     )
 }
 
-fn einval() -> Errno {
-    Errno::from_i32(libc::EINVAL)
+/// Runs `f` with the name that starts `payload` and the bytes after it; EINVAL when
+/// the name has no terminating NUL.
+fn with_name(payload: &[u8], r: RingReply, f: impl FnOnce(&[u8], &[u8], RingReply)) {
+    match abi::strings::<1>(payload) {
+        Some(([name], rest)) => f(name, rest, r),
+        None => r.error(err(libc::EINVAL)),
+    }
 }
 
-/// Decodes the request in entry `idx` and runs it; returns its commit id.
-fn dispatch(fs: &FuseFs, slab: &Arc<Slab>, idx: u16) -> u64 {
+/// Decodes the request in entry `idx` and runs it.
+fn dispatch(fs: &FuseFs, slab: &Arc<Slab>, idx: u16) {
     let e = &slab.entries[idx as usize];
     // SAFETY: the entry holds a request: its buffers are this thread's until the
     // answer is posted. The answer writes the header's first 16 bytes and the payload
@@ -611,9 +611,7 @@ fn dispatch(fs: &FuseFs, slab: &Arc<Slab>, idx: u16) -> u64 {
     let header = unsafe { std::slice::from_raw_parts(e.header, abi::RING_HEADER_SIZE) };
     let h = InHeader::parse(&header[..abi::IN_OUT_SIZE]);
     let op = Args::new(&header[abi::IN_OUT_SIZE..abi::ENT_IN_OUT]);
-    let ent = Args::new(&header[abi::ENT_IN_OUT..]);
-    let commit_id = ent.u64(8);
-    let len = (ent.u32(16) as usize).min(PAYLOAD_SIZE);
+    let len = (Args::new(&header[abi::ENT_IN_OUT..]).u32(16) as usize).min(PAYLOAD_SIZE);
     // SAFETY: as above; `len` is within the buffer.
     let payload = unsafe { std::slice::from_raw_parts(e.payload, len) };
     let reply = RingReply {
@@ -631,17 +629,12 @@ fn dispatch(fs: &FuseFs, slab: &Arc<Slab>, idx: u16) -> u64 {
     };
     fs.fs.count_uring_request();
     run(fs, &h, &c, &op, payload, reply);
-    commit_id
 }
 
 fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: RingReply) {
     let n = h.nodeid;
-    let one = || abi::strings::<1>(payload).map(|(s, rest)| (s[0], rest));
     match h.opcode {
-        abi::LOOKUP => match one() {
-            Some((name, _)) => fs.lookup(n, name, r),
-            None => r.error(einval()),
-        },
+        abi::LOOKUP => with_name(payload, r, |name, _, r| fs.lookup(n, name, r)),
         abi::GETATTR => fs.getattr(n, r),
         abi::SETATTR => {
             let valid = op.u32(0);
@@ -672,24 +665,14 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         abi::READLINK => fs.readlink(n, r),
         abi::SYMLINK => match abi::strings::<2>(payload) {
             Some(([name, target], _)) => fs.symlink(c, n, name, target, r),
-            None => r.error(einval()),
+            None => r.error(err(libc::EINVAL)),
         },
-        abi::MKNOD => match one() {
-            Some((name, _)) => fs.mknod(c, n, name, op.u32(0), op.u32(4), r),
-            None => r.error(einval()),
-        },
-        abi::MKDIR => match one() {
-            Some((name, _)) => fs.mkdir(c, n, name, op.u32(0), r),
-            None => r.error(einval()),
-        },
-        abi::UNLINK => match one() {
-            Some((name, _)) => fs.unlink(n, name, r),
-            None => r.error(einval()),
-        },
-        abi::RMDIR => match one() {
-            Some((name, _)) => fs.rmdir(n, name, r),
-            None => r.error(einval()),
-        },
+        abi::MKNOD => with_name(payload, r, |name, _, r| {
+            fs.mknod(c, n, name, op.u32(0), op.u32(4), r)
+        }),
+        abi::MKDIR => with_name(payload, r, |name, _, r| fs.mkdir(c, n, name, op.u32(0), r)),
+        abi::UNLINK => with_name(payload, r, |name, _, r| fs.unlink(n, name, r)),
+        abi::RMDIR => with_name(payload, r, |name, _, r| fs.rmdir(n, name, r)),
         abi::RENAME | abi::RENAME2 => {
             let flags = if h.opcode == abi::RENAME2 {
                 op.u32(8)
@@ -698,13 +681,10 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
             };
             match abi::strings::<2>(payload) {
                 Some(([from, to], _)) => fs.rename(n, from, op.u64(0), to, flags, r),
-                None => r.error(einval()),
+                None => r.error(err(libc::EINVAL)),
             }
         }
-        abi::LINK => match one() {
-            Some((name, _)) => fs.link(op.u64(0), n, name, r),
-            None => r.error(einval()),
-        },
+        abi::LINK => with_name(payload, r, |name, _, r| fs.link(op.u64(0), n, name, r)),
         abi::OPEN => fs.open(n, op.u32(0) as i32, r),
         abi::READ => fs.read(n, op.u64(8), op.u32(16), r),
         abi::WRITE => {
@@ -715,22 +695,13 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         abi::STATFS => fs.statfs(r),
         abi::RELEASE => fs.release(n, r),
         abi::FSYNC | abi::FSYNCDIR => fs.fsync(n, op.u32(8) & abi::FSYNC_FDATASYNC != 0, r),
-        abi::SETXATTR => match one() {
-            Some((name, value)) => {
-                let size = (op.u32(0) as usize).min(value.len());
-                fs.setxattr(n, name, &value[..size], op.u32(4) as i32, r)
-            }
-            None => r.error(einval()),
-        },
-        abi::GETXATTR => match one() {
-            Some((name, _)) => fs.getxattr(n, name, op.u32(0), r),
-            None => r.error(einval()),
-        },
+        abi::SETXATTR => with_name(payload, r, |name, value, r| {
+            let size = (op.u32(0) as usize).min(value.len());
+            fs.setxattr(n, name, &value[..size], op.u32(4) as i32, r)
+        }),
+        abi::GETXATTR => with_name(payload, r, |name, _, r| fs.getxattr(n, name, op.u32(0), r)),
         abi::LISTXATTR => fs.listxattr(n, op.u32(0), r),
-        abi::REMOVEXATTR => match one() {
-            Some((name, _)) => fs.removexattr(n, name, r),
-            None => r.error(einval()),
-        },
+        abi::REMOVEXATTR => with_name(payload, r, |name, _, r| fs.removexattr(n, name, r)),
         abi::FLUSH => fs.flush(r),
         abi::OPENDIR => fs.opendir(n, r),
         abi::READDIR | abi::READDIRPLUS => {
@@ -743,10 +714,7 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         }
         abi::RELEASEDIR => AnswerEmpty::ok(r),
         abi::ACCESS => fs.access(c, n, op.u32(0) as i32, r),
-        abi::CREATE => match one() {
-            Some((name, _)) => fs.create(c, n, name, op.u32(4), r),
-            None => r.error(einval()),
-        },
+        abi::CREATE => with_name(payload, r, |name, _, r| fs.create(c, n, name, op.u32(4), r)),
         abi::DESTROY => {
             fs.destroy();
             AnswerEmpty::ok(r)
@@ -759,9 +727,9 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         abi::FORGET | abi::BATCH_FORGET => {
             // The kernel sends these through /dev/fuse; a forget has no answer.
             tracing::warn!("FUSE io_uring: unexpected forget request");
-            r.error(Errno::from_i32(libc::ENOSYS))
+            r.error(err(libc::ENOSYS))
         }
-        _ => r.error(Errno::from_i32(libc::ENOSYS)),
+        _ => r.error(err(libc::ENOSYS)),
     }
 }
 
