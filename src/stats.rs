@@ -50,6 +50,12 @@ pub struct Stats {
     pub fsync_latency: Histogram,
     /// Full commit latency.
     pub commit_latency: Histogram,
+    /// Latency of the device flushes that make log batches durable: the device's
+    /// share of an fsync.
+    pub log_flush_latency: Histogram,
+    /// Time a ready fsync waited for a group commit to take it (the flush of the
+    /// group before it, mostly): the group commit's share of an fsync.
+    pub fsync_queue_latency: Histogram,
 }
 
 impl Stats {
@@ -85,6 +91,8 @@ impl Stats {
             uring_requests: g(&self.uring_requests),
             fsync_latency: self.fsync_latency.summary(),
             commit_latency: self.commit_latency.summary(),
+            log_flush_latency: self.log_flush_latency.summary(),
+            fsync_queue_latency: self.fsync_queue_latency.summary(),
         }
     }
 }
@@ -140,6 +148,10 @@ pub struct StatsSnapshot {
     pub fsync_latency: LatencySummary,
     /// See [`Stats::commit_latency`].
     pub commit_latency: LatencySummary,
+    /// See [`Stats::log_flush_latency`].
+    pub log_flush_latency: LatencySummary,
+    /// See [`Stats::fsync_queue_latency`].
+    pub fsync_queue_latency: LatencySummary,
 }
 
 /// Buckets of a latency histogram: bucket i counts latencies in [2^i, 2^(i+1)) µs.
@@ -252,7 +264,7 @@ impl StatsSnapshot {
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
-                "\"latency_us\":{{\"fsync\":{},\"commit\":{}}}}}"
+                "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{}}}}}"
             ),
             self.fsyncs,
             self.fsyncs_noop,
@@ -278,7 +290,9 @@ impl StatsSnapshot {
             self.flushes,
             self.uring_requests,
             self.fsync_latency.json(),
-            self.commit_latency.json()
+            self.commit_latency.json(),
+            self.log_flush_latency.json(),
+            self.fsync_queue_latency.json()
         )
     }
 
@@ -351,6 +365,8 @@ impl StatsSnapshot {
         for (name, l) in [
             ("fsync", &self.fsync_latency),
             ("commit", &self.commit_latency),
+            ("log flush", &self.log_flush_latency),
+            ("fsync queue", &self.fsync_queue_latency),
         ] {
             row(
                 &mut s,

@@ -341,6 +341,75 @@ fn many_small_files_2000() {
 }
 
 // ---------------------------------------------------------------------------
+// concurrent fsyncs: group commit and the stats that split an fsync's time
+// ---------------------------------------------------------------------------
+
+/// The daemon's counters (`birchfs.stats`, the JSON `birchfs stats --json` prints).
+fn stats_json(m: &Mount) -> serde_json::Value {
+    let raw = getxattr(m.root(), "birchfs.stats").expect("read birchfs.stats");
+    serde_json::from_slice(&raw).expect("stats are JSON")
+}
+
+#[test]
+fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
+    const THREADS: u64 = 8;
+    const FILES: u64 = 30;
+    let mut m = Mount::new();
+    let before = stats_json(&m);
+    let start = Barrier::new(THREADS as usize);
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (dir, start) = (m.root().to_path_buf(), &start);
+            s.spawn(move || {
+                start.wait();
+                for i in 0..FILES {
+                    let mut f = File::create(dir.join(format!("t{t}-{i}"))).unwrap();
+                    f.write_all(pattern(t * 1000 + i, 3000)).unwrap();
+                    f.sync_all().unwrap();
+                }
+            });
+        }
+    });
+    let after = stats_json(&m);
+    let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
+    let lat = |v: &serde_json::Value, k: &str| v["latency_us"][k]["count"].as_u64().unwrap();
+    let dl = |k: &str| lat(&after, k) - lat(&before, k);
+    let (fsyncs, queued) = (d("fsyncs"), d("fsyncs") - d("fsyncs_noop"));
+    assert!(
+        fsyncs >= THREADS * FILES,
+        "every fsync reached the daemon: {fsyncs}"
+    );
+    assert!(
+        d("log_commits") < queued,
+        "concurrent fsyncs shared log commits ({} commits for {queued} fsyncs)",
+        d("log_commits")
+    );
+    assert_eq!(
+        dl("fsync_queue"),
+        queued,
+        "every fsync that waited for the log has its queue time counted"
+    );
+    let flushes = dl("log_flush");
+    assert!(
+        flushes >= 1 && flushes <= queued,
+        "a group's flush serves at least one fsync: {flushes} flushes for {queued} fsyncs"
+    );
+    for k in ["log_flush", "fsync_queue"] {
+        let p50 = after["latency_us"][k]["p50"].as_f64().unwrap();
+        let max = after["latency_us"][k]["max"].as_f64().unwrap();
+        assert!(p50 <= max && max > 0.0, "{k}: p50 {p50} max {max}");
+    }
+    m.remount();
+    for t in 0..THREADS {
+        for i in 0..FILES {
+            let got = fs::read(m.path(format!("t{t}-{i}"))).unwrap();
+            assert_bytes_eq(&got, pattern(t * 1000 + i, 3000), 0, "fsynced file");
+        }
+    }
+    m.unmount();
+}
+
+// ---------------------------------------------------------------------------
 // concurrent O_APPEND
 // ---------------------------------------------------------------------------
 

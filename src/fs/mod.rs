@@ -488,6 +488,12 @@ impl Fs {
         self.stats.fsync_latency.record(d);
     }
 
+    /// Records how long a ready fsync waited for a group commit to take it, for
+    /// servers that queue fsyncs for group commit.
+    pub fn record_fsync_queue_latency(&self, d: std::time::Duration) {
+        self.stats.fsync_queue_latency.record(d);
+    }
+
     /// Counts a FUSE request that came through an io_uring queue.
     pub fn count_uring_request(&self) {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);
@@ -536,7 +542,10 @@ impl Fs {
             }
             self.inner.lock().store.log.written_lsn
         };
-        if let Err(e) = self.dev.flush() {
+        let t0 = std::time::Instant::now();
+        let flushed = self.dev.flush();
+        self.stats.log_flush_latency.record(t0.elapsed());
+        if let Err(e) = flushed {
             tracing::error!("log flush failed: {e}");
             self.inner.lock().store.log.overflow = true;
             return Err(e.into());

@@ -439,8 +439,17 @@ fn fsync_goes_to_the_log_and_counts_seed_one_cases() {
         "an fsync writes one log batch"
     );
     assert_eq!(s1.commits, s0.commits, "and no full commit");
+    assert_eq!(
+        s1.log_flush_latency.count,
+        s0.log_flush_latency.count + 1,
+        "its flush is timed"
+    );
     fs.fsync(f.ino, false).unwrap();
     let s2 = fs.stats();
+    assert_eq!(
+        s2.log_flush_latency.count, s1.log_flush_latency.count,
+        "an fsync answered at once flushes nothing"
+    );
     assert_eq!(
         s2.fsyncs_noop,
         s1.fsyncs_noop + 1,

@@ -51,8 +51,16 @@ pub(crate) struct Caller {
     pub pid: u32,
 }
 
-/// An fsync waiting for the log: its target, its answer, when it arrived.
-type PendingFsync = (u64, Done, std::time::Instant);
+/// An fsync waiting for the log.
+struct PendingFsync {
+    /// The log sequence number it needs durable.
+    target: u64,
+    answer: Done,
+    /// When the request arrived.
+    arrived: std::time::Instant,
+    /// When it joined the group-commit queue (its data and records ready).
+    queued: std::time::Instant,
+}
 
 /// Serves a [`Fs`] through FUSE, over `/dev/fuse` or io_uring queues. Clones share
 /// everything (the io_uring threads hold clones).
@@ -171,7 +179,15 @@ fn sync_or_queue(
             fs.record_fsync_latency(t0.elapsed());
             reply(Ok(()))
         }
-        Ok(Some(t)) => queue.submit(fs, (t, reply, t0)),
+        Ok(Some(t)) => queue.submit(
+            fs,
+            PendingFsync {
+                target: t,
+                answer: reply,
+                arrived: t0,
+                queued: std::time::Instant::now(),
+            },
+        ),
     }
 }
 
@@ -211,11 +227,14 @@ impl FsyncQueue {
                 }
                 std::mem::take(&mut st.0)
             };
-            let target = group.iter().map(|b| b.0).max().unwrap_or(0);
+            let target = group.iter().map(|p| p.target).max().unwrap_or(0);
+            for p in &group {
+                fs.record_fsync_queue_latency(p.queued.elapsed());
+            }
             let r = fs.sync_to(target);
-            for (_, reply, t0) in group {
-                fs.record_fsync_latency(t0.elapsed());
-                reply(r.as_ref().map(|_| ()).map_err(errno));
+            for p in group {
+                fs.record_fsync_latency(p.arrived.elapsed());
+                (p.answer)(r.as_ref().map(|_| ()).map_err(errno));
             }
         }
         if let Err(e) = fs.commit_if_log_full() {
