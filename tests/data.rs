@@ -344,18 +344,12 @@ fn many_small_files_2000() {
 // concurrent fsyncs: group commit and the stats that split an fsync's time
 // ---------------------------------------------------------------------------
 
-/// The daemon's counters (`birchfs.stats`, the JSON `birchfs stats --json` prints).
-fn stats_json(m: &Mount) -> serde_json::Value {
-    let raw = getxattr(m.root(), "birchfs.stats").expect("read birchfs.stats");
-    serde_json::from_slice(&raw).expect("stats are JSON")
-}
-
 #[test]
 fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
     const THREADS: u64 = 8;
     const FILES: u64 = 30;
     let mut m = Mount::new();
-    let before = stats_json(&m);
+    let before = daemon_stats(&m);
     let start = Barrier::new(THREADS as usize);
     std::thread::scope(|s| {
         for t in 0..THREADS {
@@ -370,7 +364,7 @@ fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
             });
         }
     });
-    let after = stats_json(&m);
+    let after = daemon_stats(&m);
     let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
     let lat = |v: &serde_json::Value, k: &str| v["latency_us"][k]["count"].as_u64().unwrap();
     let dl = |k: &str| lat(&after, k) - lat(&before, k);

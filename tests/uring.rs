@@ -34,14 +34,10 @@ fn kernel_has_uring() -> bool {
     }
 }
 
-/// The daemon's counters, from the root's stats xattr.
-fn stats(m: &Mount) -> serde_json::Value {
-    let raw = getxattr(m.root(), "birchfs.stats").expect("read birchfs.stats");
-    serde_json::from_slice(&raw).expect("stats are JSON")
-}
-
 fn uring_requests(m: &Mount) -> u64 {
-    stats(m)["uring_requests"].as_u64().expect("uring_requests")
+    daemon_stats(m)["uring_requests"]
+        .as_u64()
+        .expect("uring_requests")
 }
 
 #[test]
@@ -98,7 +94,7 @@ fn fsyncs_of_many_threads_are_answered_from_the_group_commit() {
     // More fsyncs at once than a thread has ring entries: those answered by another
     // thread's group commit reach their ring through its mailbox.
     let m = Mount::with_options(&["uring=on", "uring_threads=1", "uring_depth=4"]);
-    let before = stats(&m);
+    let before = daemon_stats(&m);
     let threads: Vec<_> = (0..12u64)
         .map(|t| {
             let dir = m.root().to_path_buf();
@@ -115,7 +111,7 @@ fn fsyncs_of_many_threads_are_answered_from_the_group_commit() {
     for t in threads {
         t.join().unwrap();
     }
-    let after = stats(&m);
+    let after = daemon_stats(&m);
     let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
     assert!(
         d("fsyncs") >= 480,

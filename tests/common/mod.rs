@@ -968,6 +968,12 @@ pub fn getxattr_sized(p: &Path, name: &str, size: usize) -> io::Result<(usize, V
     Ok((r, buf))
 }
 
+/// The daemon's counters of the mount `m` (the JSON `birchfs stats --json` prints).
+pub fn daemon_stats(m: &Mount) -> serde_json::Value {
+    let raw = getxattr(m.root(), "birchfs.stats").expect("read birchfs.stats");
+    serde_json::from_slice(&raw).expect("stats are JSON")
+}
+
 pub fn getxattr(p: &Path, name: &str) -> io::Result<Vec<u8>> {
     let (len, _) = getxattr_sized(p, name, 0)?;
     let (got, buf) = getxattr_sized(p, name, len.max(1))?;
