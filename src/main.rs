@@ -339,6 +339,8 @@ struct MountOpts {
     uring: UringMode,
     /// How the io_uring queues are served.
     ring: birchfs::fuse::uring::RingConfig,
+    /// Whether group commits wait briefly to gather the fsyncs of threads expected back.
+    gather: bool,
 }
 
 /// The `uring=` mount option (off by default: on 2 CPUs it measured slower than
@@ -370,6 +372,7 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
         threads: default_threads(),
         uring: UringMode::Off,
         ring: Default::default(),
+        gather: true,
     };
     let count = |opt: &str, v: &str, max: usize| {
         v.parse()
@@ -407,12 +410,14 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             Some(("uring_depth", v)) => o.ring.depth = count(opt, v, 256)?,
             Some(("block_dirty", "on")) => o.fs.cache.block_dirty = true,
             Some(("block_dirty", "off")) => o.fs.cache.block_dirty = false,
+            Some(("fsync_gather", "on")) => o.gather = true,
+            Some(("fsync_gather", "off")) => o.gather = false,
             None if opt == "ro" => o.fs.readonly = true,
             None if opt == "rw" => o.fs.readonly = false,
             _ => bail!(
                 "unknown mount option '{opt}' (known: commit=SECONDS, cache_size=SIZE, \
                  folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, threads=N, \
-                 uring=auto|on|off, uring_threads=N, uring_depth=N, ro, rw)"
+                 fsync_gather=on|off, uring=auto|on|off, uring_threads=N, uring_depth=N, ro, rw)"
             ),
         }
     }
@@ -555,6 +560,11 @@ fn mount_serve(
     cfg.n_threads = Some(mo.threads);
     cfg.clone_fd = true;
     let mut ffs = FuseFs::new(fs.clone());
+    // A committer that waits holds a request thread: another must be free to bring
+    // the fsyncs it waits for.
+    ffs.gather_fsyncs(
+        mo.gather && mo.threads >= 2 && (mo.uring == UringMode::Off || mo.ring.threads >= 2),
+    );
     if want_uring(mo.uring)? {
         ffs.offer_uring();
     }

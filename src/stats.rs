@@ -56,6 +56,9 @@ pub struct Stats {
     /// Time a ready fsync waited for a group commit to take it (the flush of the
     /// group before it, mostly): the group commit's share of an fsync.
     pub fsync_queue_latency: Histogram,
+    /// Time a group commit waited, before it took its group, for fsyncs still being
+    /// prepared and for threads expected back (see `fuse::group`).
+    pub fsync_gather_latency: Histogram,
 }
 
 impl Stats {
@@ -93,6 +96,7 @@ impl Stats {
             commit_latency: self.commit_latency.summary(),
             log_flush_latency: self.log_flush_latency.summary(),
             fsync_queue_latency: self.fsync_queue_latency.summary(),
+            fsync_gather_latency: self.fsync_gather_latency.summary(),
         }
     }
 }
@@ -152,6 +156,8 @@ pub struct StatsSnapshot {
     pub log_flush_latency: LatencySummary,
     /// See [`Stats::fsync_queue_latency`].
     pub fsync_queue_latency: LatencySummary,
+    /// See [`Stats::fsync_gather_latency`].
+    pub fsync_gather_latency: LatencySummary,
 }
 
 /// Buckets of a latency histogram: bucket i counts latencies in [2^i, 2^(i+1)) µs.
@@ -264,7 +270,7 @@ impl StatsSnapshot {
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
-                "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{}}}}}"
+                "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
             self.fsyncs,
             self.fsyncs_noop,
@@ -292,7 +298,8 @@ impl StatsSnapshot {
             self.fsync_latency.json(),
             self.commit_latency.json(),
             self.log_flush_latency.json(),
-            self.fsync_queue_latency.json()
+            self.fsync_queue_latency.json(),
+            self.fsync_gather_latency.json()
         )
     }
 
@@ -367,6 +374,7 @@ impl StatsSnapshot {
             ("commit", &self.commit_latency),
             ("log flush", &self.log_flush_latency),
             ("fsync queue", &self.fsync_queue_latency),
+            ("fsync gather", &self.fsync_gather_latency),
         ] {
             row(
                 &mut s,

@@ -403,6 +403,87 @@ fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
     m.unmount();
 }
 
+/// Threads that each overwrite a block of their own file and fdatasync it, `rounds`
+/// times; returns how many group commits waited to gather fsyncs meanwhile.
+fn fsync_loop(m: &Mount, threads: u64, rounds: u64, tag: &str) -> u64 {
+    let gathers = |m: &Mount| {
+        daemon_stats(m)["latency_us"]["fsync_gather"]["count"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = gathers(m);
+    let start = Barrier::new(threads as usize);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (path, start) = (m.path(format!("{tag}-{t}")), &start);
+            s.spawn(move || {
+                let f = File::create(path).unwrap();
+                start.wait();
+                for i in 0..rounds {
+                    f.write_all_at(pattern(t * 100_000 + i, 4096), (i % 8) * 4096)
+                        .unwrap();
+                    f.sync_data().unwrap();
+                }
+            });
+        }
+    });
+    gathers(m) - before
+}
+
+/// The last round of [`fsync_loop`] is what a remount finds.
+fn check_fsync_loop(m: &Mount, threads: u64, rounds: u64, tag: &str) {
+    for t in 0..threads {
+        let got = fs::read(m.path(format!("{tag}-{t}"))).unwrap();
+        for i in rounds.saturating_sub(8)..rounds {
+            let off = ((i % 8) * 4096) as usize;
+            assert_bytes_eq(
+                &got[off..off + 4096],
+                pattern(t * 100_000 + i, 4096),
+                off as u64,
+                tag,
+            );
+        }
+    }
+}
+
+#[test]
+fn group_commits_gather_fsyncing_threads_but_never_keep_a_lone_one_waiting() {
+    let mut m = Mount::new();
+    // One thread: nobody else is expected, so no commit ever waits.
+    assert_eq!(
+        fsync_loop(&m, 1, 200, "lone"),
+        0,
+        "a lone fsyncing thread was kept waiting"
+    );
+    // Four threads in a loop: commits wait for the ones due back (timing decides how
+    // often; a few thousand fsyncs make at least one certain in practice).
+    let mut gathered = 0;
+    for round in 0..10 {
+        gathered += fsync_loop(&m, 4, 300, &format!("four{round}"));
+        if gathered > 0 {
+            break;
+        }
+    }
+    assert!(
+        gathered > 0,
+        "no group commit gathered the fsyncs of four looping threads"
+    );
+    m.remount();
+    check_fsync_loop(&m, 1, 200, "lone");
+    check_fsync_loop(&m, 4, 300, "four0");
+    m.unmount();
+    // Turned off, commits never wait.
+    let mut m = Mount::with_options(&["fsync_gather=off"]);
+    assert_eq!(
+        fsync_loop(&m, 4, 300, "off"),
+        0,
+        "fsync_gather=off still gathered"
+    );
+    m.remount();
+    check_fsync_loop(&m, 4, 300, "off");
+    m.unmount();
+}
+
 // ---------------------------------------------------------------------------
 // concurrent O_APPEND
 // ---------------------------------------------------------------------------

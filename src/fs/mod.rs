@@ -494,6 +494,12 @@ impl Fs {
         self.stats.fsync_queue_latency.record(d);
     }
 
+    /// Records how long a group commit waited to gather fsyncs before it took its
+    /// group, for servers that gather.
+    pub fn record_fsync_gather_latency(&self, d: std::time::Duration) {
+        self.stats.fsync_gather_latency.record(d);
+    }
+
     /// Counts a FUSE request that came through an io_uring queue.
     pub fn count_uring_request(&self) {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);

@@ -265,13 +265,13 @@ impl Filesystem for FuseFs {
 
     fn fsync(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        FuseFs::fsync(self, ino.0, datasync, reply)
+        FuseFs::fsync(self, req.pid(), ino.0, datasync, reply)
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -302,13 +302,13 @@ impl Filesystem for FuseFs {
 
     fn fsyncdir(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        FuseFs::fsync(self, ino.0, datasync, reply)
+        FuseFs::fsync(self, req.pid(), ino.0, datasync, reply)
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

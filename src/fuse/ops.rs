@@ -23,6 +23,7 @@ use super::answer::{
     done, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty, AnswerEntry,
     AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
 };
+use super::group::{FsyncQueue, PendingFsync, Preparing};
 use crate::error::Error;
 use crate::fs::{
     is_snapshot_ino, without_suid, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr,
@@ -49,17 +50,6 @@ pub(crate) struct Caller {
     pub uid: u32,
     pub gid: u32,
     pub pid: u32,
-}
-
-/// An fsync waiting for the log.
-struct PendingFsync {
-    /// The log sequence number it needs durable.
-    target: u64,
-    answer: Done,
-    /// When the request arrived.
-    arrived: std::time::Instant,
-    /// When it joined the group-commit queue (its data and records ready).
-    queued: std::time::Instant,
 }
 
 /// Serves a [`Fs`] through FUSE, over `/dev/fuse` or io_uring queues. Clones share
@@ -89,6 +79,12 @@ impl FuseFs {
         }
     }
 
+    /// Lets group commits wait briefly for the fsyncs of threads expected back
+    /// (see `fuse::group`); off by default.
+    pub fn gather_fsyncs(&self, on: bool) {
+        self.fsyncs.set_gather(on);
+    }
+
     /// Offers the kernel FUSE over io_uring at INIT; [`FuseFs::uring_agreed`] tells
     /// afterwards whether it took it.
     pub fn offer_uring(&mut self) {
@@ -103,7 +99,7 @@ impl FuseFs {
 }
 
 /// An fsync handed to a worker: inode, datasync, answer, arrival.
-type FsyncJob = (u64, bool, Done, std::time::Instant);
+type FsyncJob = (u64, bool, Done, std::time::Instant, u32);
 
 /// An fsync whose file has at least this much dirty data in birchfs's cache is handed
 /// to a worker, since writing that data back blocks for the device.
@@ -133,10 +129,10 @@ impl FsyncWorkers {
                 .name(format!("fsync-{n}"))
                 .spawn(move || loop {
                     let job = rx.lock().recv();
-                    let Ok((ino, datasync, reply, t0)) = job else {
+                    let Ok((ino, datasync, reply, t0, pid)) = job else {
                         break;
                     };
-                    sync_or_queue(&fs, &queue, ino, datasync, reply, t0);
+                    sync_or_queue(&fs, &queue, ino, datasync, reply, t0, None, pid);
                 });
             match t {
                 Ok(t) => threads.push(t),
@@ -161,7 +157,9 @@ impl Drop for FsyncWorkers {
 }
 
 /// Writes back the data of `ino`, then answers the fsync at once or queues it for
-/// the group commit.
+/// the group commit. `prep`: the fsync was counted as preparing
+/// ([`FsyncQueue::preparing`]); it leaves that count when it is queued or answered.
+#[allow(clippy::too_many_arguments)]
 fn sync_or_queue(
     fs: &Fs,
     queue: &FsyncQueue,
@@ -169,6 +167,8 @@ fn sync_or_queue(
     datasync: bool,
     reply: Done,
     t0: std::time::Instant,
+    prep: Option<Preparing<'_>>,
+    pid: u32,
 ) {
     match fs.fsync_target(ino, datasync) {
         Err(e) => {
@@ -186,60 +186,10 @@ fn sync_or_queue(
                 answer: reply,
                 arrived: t0,
                 queued: std::time::Instant::now(),
+                pid,
             },
+            prep,
         ),
-    }
-}
-
-/// Most groups being committed at once: while one group's batch flushes, the next
-/// group's batch is written and flushed beside it (the device serves flushes in
-/// parallel; see `Fs::sync_to`).
-const COMMITTERS: usize = 1;
-
-/// Group commit for FUSE (leader and followers). An fsync whose data and records
-/// are ready joins the queue; if fewer than `COMMITTERS` groups are being committed,
-/// its own request thread becomes a committer: it takes everything queued, makes the
-/// log durable up to the highest target with one batch and one flush, answers every
-/// fsync of the group, and goes on while more are queued. Otherwise the request
-/// thread returns at once and a committer answers the fsync later. No request thread
-/// ever waits for another's fsync, and no thread hop delays the first one.
-#[derive(Default)]
-struct FsyncQueue {
-    state: parking_lot::Mutex<(Vec<PendingFsync>, usize)>,
-}
-
-impl FsyncQueue {
-    fn submit(&self, fs: &Fs, p: PendingFsync) {
-        {
-            let mut st = self.state.lock();
-            st.0.push(p);
-            if st.1 >= COMMITTERS {
-                return;
-            }
-            st.1 += 1;
-        }
-        loop {
-            let group = {
-                let mut st = self.state.lock();
-                if st.0.is_empty() {
-                    st.1 -= 1;
-                    break;
-                }
-                std::mem::take(&mut st.0)
-            };
-            let target = group.iter().map(|p| p.target).max().unwrap_or(0);
-            for p in &group {
-                fs.record_fsync_queue_latency(p.queued.elapsed());
-            }
-            let r = fs.sync_to(target);
-            for p in group {
-                fs.record_fsync_latency(p.arrived.elapsed());
-                (p.answer)(r.as_ref().map(|_| ()).map_err(errno));
-            }
-        }
-        if let Err(e) = fs.commit_if_log_full() {
-            tracing::error!("commit of a full log failed: {e}");
-        }
     }
 }
 
@@ -637,20 +587,31 @@ impl FuseFs {
     /// fsync and fdatasync (of files and directories): answered at once when nothing
     /// they need is new, else by the group commit; one with much data to write back
     /// first goes to a worker.
-    pub(crate) fn fsync(&self, nodeid: u64, datasync: bool, reply: impl AnswerEmpty) {
+    pub(crate) fn fsync(&self, pid: u32, nodeid: u64, datasync: bool, reply: impl AnswerEmpty) {
         let ino = to_ino(nodeid);
         let t0 = std::time::Instant::now();
         let reply = done(reply);
         let reply = match &self.workers.tx {
             Some(tx) if self.fs.dirty_bytes_of(ino) >= OFFLOAD_DIRTY => {
-                match tx.send((ino, datasync, reply, t0)) {
+                self.fsyncs.arrived(pid, t0);
+                match tx.send((ino, datasync, reply, t0, pid)) {
                     Ok(()) => return,
-                    Err(std::sync::mpsc::SendError((_, _, reply, _))) => reply,
+                    Err(std::sync::mpsc::SendError((_, _, reply, _, _))) => reply,
                 }
             }
             _ => reply,
         };
-        sync_or_queue(&self.fs, &self.fsyncs, ino, datasync, reply, t0)
+        let prep = self.fsyncs.preparing(pid, t0);
+        sync_or_queue(
+            &self.fs,
+            &self.fsyncs,
+            ino,
+            datasync,
+            reply,
+            t0,
+            Some(prep),
+            pid,
+        )
     }
 
     pub(crate) fn opendir(&self, nodeid: u64, reply: impl AnswerOpen) {
