@@ -148,8 +148,9 @@ impl QueueState {
         let end = now + budget;
         let expected = self
             .threads
-            .values()
-            .filter_map(|t| t.due(now))
+            .iter()
+            .filter(|(pid, _)| !self.ready.iter().any(|p| p.pid == **pid))
+            .filter_map(|(_, t)| t.due(now))
             .filter(|&d| d < end)
             .count();
         let k = self.preparing + expected;
@@ -256,13 +257,15 @@ impl FsyncQueue {
             }
             let t0 = Instant::now();
             let r = fs.sync_to(target);
-            let took = t0.elapsed();
-            let pids: Vec<u32> = group.iter().map(|p| p.pid).collect();
+            // Noted before the answers go out, so that a thread's next fsync always
+            // arrives after its answer was noted.
+            self.state
+                .lock()
+                .answered(group.iter().map(|p| p.pid), Instant::now(), t0.elapsed());
             for p in group {
                 fs.record_fsync_latency(p.arrived.elapsed());
                 (p.answer)(r.as_ref().map(|_| ()).map_err(errno));
             }
-            self.state.lock().answered(pids, Instant::now(), took);
         }
         if let Err(e) = fs.commit_if_log_full() {
             tracing::error!("commit of a full log failed: {e}");
@@ -342,6 +345,10 @@ mod tests {
         cycle(&mut st, 2, 5000 * US, t0 - 1000 * US);
         // Due 100 µs after its answer, 250 µs ago: more than its gap late.
         cycle(&mut st, 3, 100 * US, t0 - 250 * US);
+        assert_eq!(st.gather(t0), None);
+        // Due in 50 µs, but its fsync is already ready (its arrival raced with the
+        // answer's note).
+        cycle(&mut st, 1000, 100 * US, t0 - 50 * US);
         assert_eq!(st.gather(t0), None);
         // One due in 50 µs: waited for.
         cycle(&mut st, 4, 100 * US, t0 - 50 * US);
