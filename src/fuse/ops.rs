@@ -98,8 +98,16 @@ impl FuseFs {
     }
 }
 
-/// An fsync handed to a worker: inode, datasync, answer, arrival.
-type FsyncJob = (u64, bool, Done, std::time::Instant, u32);
+/// An fsync request on its way to the group commit (on a request thread or a worker).
+struct FsyncJob {
+    ino: u64,
+    datasync: bool,
+    reply: Done,
+    /// When the request arrived.
+    arrived: std::time::Instant,
+    /// The thread that asked.
+    pid: u32,
+}
 
 /// An fsync whose file has at least this much dirty data in birchfs's cache is handed
 /// to a worker, since writing that data back blocks for the device.
@@ -129,10 +137,10 @@ impl FsyncWorkers {
                 .name(format!("fsync-{n}"))
                 .spawn(move || loop {
                     let job = rx.lock().recv();
-                    let Ok((ino, datasync, reply, t0, pid)) = job else {
+                    let Ok(job) = job else {
                         break;
                     };
-                    sync_or_queue(&fs, &queue, ino, datasync, reply, t0, None, pid);
+                    sync_or_queue(&fs, &queue, job, None);
                 });
             match t {
                 Ok(t) => threads.push(t),
@@ -156,37 +164,27 @@ impl Drop for FsyncWorkers {
     }
 }
 
-/// Writes back the data of `ino`, then answers the fsync at once or queues it for
-/// the group commit. `prep`: the fsync was counted as preparing
+/// Writes back the data of the job's inode, then answers the fsync at once or queues
+/// it for the group commit. `prep`: the fsync was counted as preparing
 /// ([`FsyncQueue::preparing`]); it leaves that count when it is queued or answered.
-#[allow(clippy::too_many_arguments)]
-fn sync_or_queue(
-    fs: &Fs,
-    queue: &FsyncQueue,
-    ino: u64,
-    datasync: bool,
-    reply: Done,
-    t0: std::time::Instant,
-    prep: Option<Preparing<'_>>,
-    pid: u32,
-) {
-    match fs.fsync_target(ino, datasync) {
+fn sync_or_queue(fs: &Fs, queue: &FsyncQueue, job: FsyncJob, prep: Option<Preparing<'_>>) {
+    match fs.fsync_target(job.ino, job.datasync) {
         Err(e) => {
-            fs.record_fsync_latency(t0.elapsed());
-            reply(Err(errno(&e)))
+            fs.record_fsync_latency(job.arrived.elapsed());
+            (job.reply)(Err(errno(&e)))
         }
         Ok(None) => {
-            fs.record_fsync_latency(t0.elapsed());
-            reply(Ok(()))
+            fs.record_fsync_latency(job.arrived.elapsed());
+            (job.reply)(Ok(()))
         }
         Ok(Some(t)) => queue.submit(
             fs,
             PendingFsync {
                 target: t,
-                answer: reply,
-                arrived: t0,
+                answer: job.reply,
+                arrived: job.arrived,
                 queued: std::time::Instant::now(),
-                pid,
+                pid: job.pid,
             },
             prep,
         ),
@@ -589,29 +587,25 @@ impl FuseFs {
     /// first goes to a worker.
     pub(crate) fn fsync(&self, pid: u32, nodeid: u64, datasync: bool, reply: impl AnswerEmpty) {
         let ino = to_ino(nodeid);
-        let t0 = std::time::Instant::now();
-        let reply = done(reply);
-        let reply = match &self.workers.tx {
-            Some(tx) if self.fs.dirty_bytes_of(ino) >= OFFLOAD_DIRTY => {
-                self.fsyncs.arrived(pid, t0);
-                match tx.send((ino, datasync, reply, t0, pid)) {
-                    Ok(()) => return,
-                    Err(std::sync::mpsc::SendError((_, _, reply, _, _))) => reply,
-                }
-            }
-            _ => reply,
-        };
-        let prep = self.fsyncs.preparing(pid, t0);
-        sync_or_queue(
-            &self.fs,
-            &self.fsyncs,
+        let job = FsyncJob {
             ino,
             datasync,
-            reply,
-            t0,
-            Some(prep),
+            reply: done(reply),
+            arrived: std::time::Instant::now(),
             pid,
-        )
+        };
+        let job = match &self.workers.tx {
+            Some(tx) if self.fs.dirty_bytes_of(ino) >= OFFLOAD_DIRTY => {
+                self.fsyncs.arrived(pid, job.arrived);
+                match tx.send(job) {
+                    Ok(()) => return,
+                    Err(std::sync::mpsc::SendError(job)) => job,
+                }
+            }
+            _ => job,
+        };
+        let prep = self.fsyncs.preparing(pid, job.arrived);
+        sync_or_queue(&self.fs, &self.fsyncs, job, Some(prep))
     }
 
     pub(crate) fn opendir(&self, nodeid: u64, reply: impl AnswerOpen) {
