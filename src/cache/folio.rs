@@ -68,16 +68,15 @@ impl Bitmap {
     }
 }
 
-/// The memory of a folio: anonymous pages of its own, so page aligned (the device
-/// reads into it directly) and of exactly the folio's size. The heap's aligned
-/// allocations left gaps between folio buffers that a streaming write's peak of
-/// folios turned into half as much memory again. Where the kernel refuses another
-/// mapping (`vm.max_map_count`), the buffer comes from the heap after all.
+/// The memory of a folio: a slot of a huge-page chunk (see [`super::arena`]), so
+/// page aligned (the device reads into it directly), physically contiguous where the
+/// kernel gave a huge page, and of exactly the folio's size. Where the kernel refuses
+/// another mapping, the buffer comes from the heap instead.
 pub(crate) struct FolioBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
-    /// Mapped (else allocated from the heap with [`FolioBuf::layout`]).
-    mapped: bool,
+    /// A slot of the arena (else allocated from the heap with [`FolioBuf::layout`]).
+    slot: bool,
 }
 
 // SAFETY: the memory is owned by the FolioBuf alone, like a Box<[u8]>.
@@ -90,27 +89,14 @@ impl FolioBuf {
     /// the heap's allocations do.
     pub(crate) fn new(len: usize) -> FolioBuf {
         assert!(len > 0 && len % 4096 == 0, "folio buffers hold whole pages");
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
+        match super::arena::alloc(len) {
+            Some(ptr) => FolioBuf {
+                ptr,
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p != libc::MAP_FAILED {
-            if let Some(ptr) = std::ptr::NonNull::new(p.cast::<u8>()) {
-                return FolioBuf {
-                    ptr,
-                    len,
-                    mapped: true,
-                };
-            }
+                slot: true,
+            },
+            None => Self::heap(len),
         }
-        Self::heap(len)
     }
 
     /// [`FolioBuf::new`] from the heap.
@@ -122,7 +108,7 @@ impl FolioBuf {
             Some(ptr) => FolioBuf {
                 ptr,
                 len,
-                mapped: false,
+                slot: false,
             },
             None => std::alloc::handle_alloc_error(layout),
         }
@@ -136,9 +122,8 @@ impl FolioBuf {
 
 impl Drop for FolioBuf {
     fn drop(&mut self) {
-        if self.mapped {
-            // SAFETY: the mapping made in `new`, no longer borrowed.
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if self.slot {
+            super::arena::free(self.ptr, self.len);
         } else {
             // SAFETY: allocated in `new` with this layout, no longer borrowed.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };

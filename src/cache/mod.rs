@@ -1,5 +1,6 @@
 //! The page cache: folios with per-block uptodate and dirty bits (seed 5).
 
+mod arena;
 mod folio;
 mod page_cache;
 
