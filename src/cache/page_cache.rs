@@ -138,11 +138,26 @@ pub(crate) struct PageCache {
     kick: (Mutex<bool>, Condvar),
     /// Buffers of evicted folios, reused for new ones: the daemon's memory then stays
     /// near `cache_size` instead of growing with the allocator's per-thread slack.
-    spare: Mutex<Vec<FolioBuf>>,
+    spare: Mutex<Spare>,
     /// Folios written back whole, oldest first, with the use they were queued at:
     /// dropped behind the writer once more than `behind_limit` bytes of them wait,
     /// unless used since (see [`PageCache::drop_behind`]).
     behind: Mutex<std::collections::VecDeque<(u64, u64, u64)>>,
+}
+
+/// Buffers of evicted folios, kept for new ones, by kind.
+#[derive(Default)]
+struct Spare {
+    /// Slots of huge-page chunks.
+    contiguous: Vec<FolioBuf>,
+    /// Pages of their own (or heap).
+    paged: Vec<FolioBuf>,
+}
+
+impl Spare {
+    fn len(&self) -> usize {
+        self.contiguous.len() + self.paged.len()
+    }
 }
 
 impl PageCache {
@@ -154,7 +169,7 @@ impl PageCache {
             dirty_bytes: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             kick: (Mutex::new(false), Condvar::new()),
-            spare: Mutex::new(Vec::new()),
+            spare: Mutex::new(Spare::default()),
             behind: Mutex::new(Default::default()),
         }
     }
@@ -209,10 +224,21 @@ impl PageCache {
     }
 
     /// A folio buffer, reused when one is spare (and then not zeroed: a folio's
-    /// bytes count only in blocks made uptodate, which are written whole).
-    fn buffer(&self) -> FolioBuf {
-        match self.spare.lock().pop() {
+    /// bytes count only in blocks made uptodate, which are written whole). `whole`:
+    /// the caller fills the whole folio, so it gets contiguous memory (see
+    /// [`FolioBuf`]).
+    fn buffer(&self, whole: bool) -> FolioBuf {
+        let spare = {
+            let mut sp = self.spare.lock();
+            if whole {
+                sp.contiguous.pop()
+            } else {
+                sp.paged.pop().or_else(|| sp.contiguous.pop())
+            }
+        };
+        match spare {
             Some(b) => b,
+            None if whole => FolioBuf::contiguous(self.opts.folio_size as usize),
             None => FolioBuf::new(self.opts.folio_size as usize),
         }
     }
@@ -222,7 +248,12 @@ impl PageCache {
         if let Ok(f) = Arc::try_unwrap(f) {
             let mut spare = self.spare.lock();
             if spare.len() < self.spare_cap() {
-                spare.push(f.folio.into_inner().data);
+                let b = f.folio.into_inner().data;
+                if b.is_contiguous() {
+                    spare.contiguous.push(b);
+                } else {
+                    spare.paged.push(b);
+                }
             }
         }
     }
@@ -355,8 +386,9 @@ impl PageCache {
         Some(f)
     }
 
-    /// The folio `idx` of `ino`, created empty when it is not cached.
-    pub(crate) fn get_or_create(&self, ino: u64, idx: u64) -> Arc<CachedFolio> {
+    /// The folio `idx` of `ino`, created empty when it is not cached; `whole`: the
+    /// caller is about to fill all of it (a new folio then gets contiguous memory).
+    pub(crate) fn get_or_create(&self, ino: u64, idx: u64, whole: bool) -> Arc<CachedFolio> {
         let f = {
             let mut st = self.state.lock();
             st.folios
@@ -365,7 +397,7 @@ impl PageCache {
                     self.bytes
                         .fetch_add(self.opts.folio_size, Ordering::Relaxed);
                     Arc::new(CachedFolio {
-                        folio: Mutex::new(Folio::with_buffer(self.buffer())),
+                        folio: Mutex::new(Folio::with_buffer(self.buffer(whole))),
                         last_used: AtomicU64::new(0),
                     })
                 })
@@ -556,21 +588,62 @@ mod tests {
     }
 
     #[test]
+    fn folios_filled_whole_get_contiguous_memory_and_spares_keep_their_kind() {
+        let c = cache(4 << 20);
+        let contiguous = |ino, idx| {
+            c.get_or_create(ino, idx, false)
+                .folio
+                .lock()
+                .data
+                .is_contiguous()
+        };
+        let whole = c.get_or_create(1, 0, true);
+        assert!(whole.folio.lock().data.is_contiguous());
+        // A folio written in part gets pages of its own, so that a 4 KiB write does
+        // not have the kernel clear a whole huge page.
+        assert!(!contiguous(1, 1));
+        // Evicted, each buffer is kept as what it is: the contiguous one goes to the
+        // next folio filled whole, the paged one to a partly written one.
+        let (w, p) = (
+            whole.folio.lock().data.as_ptr(),
+            c.get_or_create(1, 1, false).folio.lock().data.as_ptr(),
+        );
+        drop(whole);
+        for idx in [0, 1] {
+            let f = c.state.lock().folios.remove(&(1, idx)).unwrap();
+            c.recycle(f);
+        }
+        assert_eq!(
+            {
+                let sp = c.spare.lock();
+                (sp.contiguous.len(), sp.paged.len())
+            },
+            (1, 1)
+        );
+        assert_eq!(c.get_or_create(2, 0, true).folio.lock().data.as_ptr(), w);
+        assert_eq!(c.get_or_create(2, 1, false).folio.lock().data.as_ptr(), p);
+        // With no paged spare left, a partly written folio takes a contiguous one.
+        let f = c.state.lock().folios.remove(&(2, 0)).unwrap();
+        c.recycle(f);
+        assert_eq!(c.get_or_create(3, 0, false).folio.lock().data.as_ptr(), w);
+    }
+
+    #[test]
     fn drop_behind_frees_the_oldest_unused_written_folios_past_its_budget() {
         // 4 MiB cache of 16 KiB folios: the budget is 128 KiB, eight folios.
         let c = cache(4 << 20);
         let keep = (c.behind_limit() / c.folio_size()) as usize;
         assert_eq!(keep, 8);
         let queue = |idx: u64| {
-            let f = c.get_or_create(1, idx);
+            let f = c.get_or_create(1, idx, false);
             (idx, PageCache::last_used(&f))
         };
         // Folios 0..4 are each left in a state that must keep them.
         let q: Vec<_> = (0..20).map(queue).collect();
-        let held = c.get_or_create(1, 0);
+        let held = c.get_or_create(1, 0, false);
         c.get(1, 1); // read again since it was written back
         {
-            let d = c.get_or_create(1, 2);
+            let d = c.get_or_create(1, 2, false);
             let mut g = d.folio.lock();
             g.uptodate.set_range(0, 1);
             g.mark_dirty(0, 1); // written again
@@ -596,15 +669,15 @@ mod tests {
     #[test]
     fn eviction_keeps_dirty_and_held_folios_and_drops_the_oldest_clean() {
         let c = cache(64 << 10); // four folios of 16 KiB
-        let held = c.get_or_create(1, 0);
+        let held = c.get_or_create(1, 0, false);
         {
-            let d = c.get_or_create(1, 1);
+            let d = c.get_or_create(1, 1, false);
             let mut g = d.folio.lock();
             g.uptodate.set_range(0, 1);
             g.mark_dirty(0, 1);
         }
         for i in 2..8 {
-            c.get_or_create(1, i);
+            c.get_or_create(1, i, false);
         }
         c.get(1, 2); // used again: younger than 3..8
         assert_eq!(c.bytes(), 8 * (16 << 10));
@@ -621,7 +694,7 @@ mod tests {
     fn eviction_reports_a_cache_full_of_dirty_folios() {
         let c = cache(64 << 10);
         for i in 0..6 {
-            let f = c.get_or_create(7, i);
+            let f = c.get_or_create(7, i, false);
             let mut g = f.folio.lock();
             g.uptodate.set_range(0, 4);
             g.mark_dirty(0, 4);
@@ -634,7 +707,7 @@ mod tests {
     fn discard_returns_the_reservation_and_settle_forgets_clean_inodes() {
         let c = cache(1 << 20);
         for i in 0..3 {
-            let f = c.get_or_create(5, i);
+            let f = c.get_or_create(5, i, false);
             let mut g = f.folio.lock();
             g.uptodate.set_range(0, 2);
             let n = g.mark_dirty(0, 2);

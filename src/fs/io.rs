@@ -228,7 +228,7 @@ impl Fs {
         };
         let covered =
             |k: usize| fstart + k as u64 * BS >= pos && fstart + (k as u64 + 1) * BS <= wend;
-        let f = cache.get_or_create(ino, idx);
+        let f = cache.get_or_create(ino, idx, a == 0 && b == cache.blocks());
         let need: Vec<usize> = {
             let g = f.folio.lock();
             (da..db)
@@ -397,7 +397,8 @@ impl Fs {
             let fstart = idx * fsz;
             let a = (from.max(fstart) - fstart) / BS;
             let b = (to.min(fstart + fsz) - fstart).div_ceil(BS);
-            let f = cache.get_or_create(ino, idx);
+            let whole = a == 0 && b as usize == cache.blocks();
+            let f = cache.get_or_create(ino, idx, whole);
             {
                 let g = f.folio.lock();
                 let want: Vec<usize> = (a as usize..b as usize)
