@@ -10,6 +10,10 @@
 //! 4 MiB pieces ran at 3,960-4,050 MiB/s into a huge-page buffer against 1,620-2,490
 //! into 4 KiB pages (requests of 3.2 MiB against 1 MiB).
 //!
+//! Only folios about to be filled whole take a slot (see `FolioBuf::contiguous`): the
+//! kernel clears a huge page whole on its first touch, which a random 4 KiB write
+//! should not pay for.
+//!
 //! A chunk is mapped 2 MiB aligned and advised `MADV_HUGEPAGE` (which matters where
 //! the system's THP mode is `madvise`, the common default). Without huge pages it
 //! works the same on 4 KiB pages. A chunk goes back to the kernel when its last slot
