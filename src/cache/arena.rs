@@ -50,15 +50,14 @@ struct Class {
 /// Every size's chunks, for the whole process (mounts of one process share them).
 static CLASSES: parking_lot::Mutex<Option<HashMap<usize, Class>>> = parking_lot::const_mutex(None);
 
-/// Maps a fresh chunk, 2 MiB aligned and advised for huge pages; `None` when the
-/// kernel refuses the mapping.
-fn map_chunk() -> Option<usize> {
-    let span = 2 * CHUNK;
+/// A fresh private anonymous mapping of `len` zero bytes, readable and writable;
+/// `None` when the kernel refuses it (`vm.max_map_count`, no memory).
+pub(crate) fn map_anon(len: usize) -> Option<NonNull<u8>> {
     // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            span,
+            len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
@@ -68,6 +67,14 @@ fn map_chunk() -> Option<usize> {
     if p == libc::MAP_FAILED {
         return None;
     }
+    NonNull::new(p.cast::<u8>())
+}
+
+/// Maps a fresh chunk, 2 MiB aligned and advised for huge pages; `None` when the
+/// kernel refuses the mapping.
+fn map_chunk() -> Option<usize> {
+    let span = 2 * CHUNK;
+    let p = map_anon(span)?.as_ptr();
     let start = p as usize;
     let base = start.next_multiple_of(CHUNK);
     // SAFETY: both ranges lie inside the mapping just made and nothing refers to them.

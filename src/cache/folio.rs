@@ -107,27 +107,14 @@ impl FolioBuf {
     /// out of memory, as the heap's allocations do.
     pub(crate) fn new(len: usize) -> FolioBuf {
         assert!(len > 0 && len % 4096 == 0, "folio buffers hold whole pages");
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
+        match super::arena::map_anon(len) {
+            Some(ptr) => FolioBuf {
+                ptr,
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p != libc::MAP_FAILED {
-            if let Some(ptr) = std::ptr::NonNull::new(p.cast::<u8>()) {
-                return FolioBuf {
-                    ptr,
-                    len,
-                    backing: Backing::Mapped,
-                };
-            }
+                backing: Backing::Mapped,
+            },
+            None => Self::heap(len),
         }
-        Self::heap(len)
     }
 
     /// `len` zero bytes like [`FolioBuf::new`], physically contiguous where the kernel
