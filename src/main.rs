@@ -341,6 +341,16 @@ struct MountOpts {
     ring: birchfs::fuse::uring::RingConfig,
     /// Whether group commits wait briefly to gather the fsyncs of threads expected back.
     gather: bool,
+    /// Smallest file whose read-only opens bypass the kernel's page cache (`None`:
+    /// never); unset means the cache size.
+    direct_read: Option<Option<u64>>,
+}
+
+impl MountOpts {
+    /// The `direct_read=` threshold in effect.
+    fn direct_read(&self) -> Option<u64> {
+        self.direct_read.unwrap_or(Some(self.fs.cache.cache_size))
+    }
 }
 
 /// The `uring=` mount option (off by default: on 2 CPUs it measured slower than
@@ -373,6 +383,7 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
         uring: UringMode::Off,
         ring: Default::default(),
         gather: true,
+        direct_read: None,
     };
     let count = |opt: &str, v: &str, max: usize| {
         v.parse()
@@ -412,12 +423,19 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             Some(("block_dirty", "off")) => o.fs.cache.block_dirty = false,
             Some(("fsync_gather", "on")) => o.gather = true,
             Some(("fsync_gather", "off")) => o.gather = false,
+            Some(("direct_read", "off")) => o.direct_read = Some(None),
+            Some(("direct_read", v)) => {
+                o.direct_read = Some(Some(
+                    parse_size(v).with_context(|| format!("in mount option '{opt}'"))?,
+                ))
+            }
             None if opt == "ro" => o.fs.readonly = true,
             None if opt == "rw" => o.fs.readonly = false,
             _ => bail!(
                 "unknown mount option '{opt}' (known: commit=SECONDS, cache_size=SIZE, \
                  folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, threads=N, \
-                 fsync_gather=on|off, uring=auto|on|off, uring_threads=N, uring_depth=N, ro, rw)"
+                 fsync_gather=on|off, direct_read=SIZE|off, uring=auto|on|off, uring_threads=N, \
+                 uring_depth=N, ro, rw)"
             ),
         }
     }
@@ -560,6 +578,7 @@ fn mount_serve(
     cfg.n_threads = Some(mo.threads);
     cfg.clone_fd = true;
     let mut ffs = FuseFs::new(fs.clone());
+    ffs.direct_reads(mo.direct_read());
     // A committer that waits holds a request thread: another must be free to bring
     // the fsyncs it waits for.
     ffs.gather_fsyncs(

@@ -28,6 +28,8 @@ pub struct Stats {
     pub readahead_async: AtomicU64,
     /// Reads that waited for the device (blocks they return were not cached).
     pub read_waits: AtomicU64,
+    /// Bytes read by users through opens that bypass the kernel's page cache.
+    pub direct_read_bytes: AtomicU64,
     /// Bytes of file data shared by clone or copy_file_range instead of copied.
     pub cloned_bytes: AtomicU64,
     /// Bytes of tree nodes written to the device.
@@ -81,6 +83,7 @@ impl Stats {
             writeback_runs: g(&self.writeback_runs),
             readahead_async: g(&self.readahead_async),
             read_waits: g(&self.read_waits),
+            direct_read_bytes: g(&self.direct_read_bytes),
             cloned_bytes: g(&self.cloned_bytes),
             cache_bytes: 0,
             cache_dirty_bytes: 0,
@@ -126,6 +129,8 @@ pub struct StatsSnapshot {
     pub readahead_async: u64,
     /// See [`Stats::read_waits`].
     pub read_waits: u64,
+    /// See [`Stats::direct_read_bytes`].
+    pub direct_read_bytes: u64,
     /// See [`Stats::cloned_bytes`].
     pub cloned_bytes: u64,
     /// Bytes held by the page cache now (a gauge, filled in by `Fs::stats`).
@@ -268,7 +273,7 @@ impl StatsSnapshot {
             concat!(
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
-                "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{}}},",
+                "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
@@ -288,6 +293,7 @@ impl StatsSnapshot {
             self.user_read_bytes,
             self.dev_read_bytes,
             self.cloned_bytes,
+            self.direct_read_bytes,
             self.writeback_runs,
             self.readahead_async,
             self.read_waits,
@@ -358,6 +364,11 @@ impl StatsSnapshot {
             self.read_waits.to_string(),
         );
         row(&mut s, "bytes cloned", self.cloned_bytes.to_string());
+        row(
+            &mut s,
+            "bytes read past the kernel cache",
+            self.direct_read_bytes.to_string(),
+        );
         row(
             &mut s,
             "requests via io_uring",

@@ -1,6 +1,7 @@
 //! The page cache through a real FUSE mount: bounded daemon memory with a file much
 //! larger than the cache, the kernel writeback cache's rules (write-only opens,
-//! O_APPEND), and the cache's mount options.
+//! O_APPEND), reads that bypass the kernel's cache (`direct_read=`), and the cache's
+//! mount options.
 
 mod common;
 
@@ -159,6 +160,7 @@ fn cache_mount_options_are_checked() {
         ("block_dirty=maybe", "unknown mount option"),
         ("threads=0", "threads=0"),
         ("threads=many", "threads=many"),
+        ("direct_read=lots", "direct_read"),
     ] {
         let out = m.try_mount(&[opt]);
         assert!(!out.status.success(), "{opt} was accepted");
@@ -172,11 +174,144 @@ fn cache_mount_options_are_checked() {
         "dirty_expire=5",
         "block_dirty=off",
         "threads=1",
+        "direct_read=off",
     ]);
     let p = m.path("f");
     fs::write(&p, b"hello").unwrap();
     fs::File::open(&p).unwrap().sync_all().unwrap();
     m.remount();
     assert_eq!(fs::read(&p).unwrap(), b"hello");
+    m.unmount();
+}
+
+/// Bytes read through opens that bypass the kernel's page cache, per the daemon.
+fn direct_read_bytes(m: &Mount) -> u64 {
+    daemon_stats(m)["bytes"]["direct_read"]
+        .as_u64()
+        .expect("bytes.direct_read")
+}
+
+#[test]
+fn large_read_only_opens_bypass_the_kernel_cache_until_read_through_once() {
+    let mut m = Mount::with_options(&["direct_read=1M"]);
+    let big = mib_data(4, 31);
+    fs::write(m.path("big"), &big).unwrap();
+    fs::write(m.path("small"), &big[..512 << 10]).unwrap();
+    m.remount();
+    assert_eq!(direct_read_bytes(&m), 0);
+
+    // Below direct_read= through the kernel's cache; at or above it past it.
+    assert_eq!(fs::read(m.path("small")).unwrap(), &big[..512 << 10]);
+    assert_eq!(direct_read_bytes(&m), 0, "a small file read directly");
+    assert!(
+        fs::read(m.path("big")).unwrap() == big,
+        "direct read differs"
+    );
+    let first = direct_read_bytes(&m);
+    assert!(
+        first >= 4 << 20,
+        "read-only open of 4 MiB not direct: {first}"
+    );
+
+    // Read through once: the next open goes through the kernel's cache.
+    assert!(fs::read(m.path("big")).unwrap() == big);
+    assert_eq!(direct_read_bytes(&m), first, "second read still direct");
+
+    // Off: never direct.
+    m.unmount();
+    m.mount_with(&["direct_read=off"]);
+    assert!(fs::read(m.path("big")).unwrap() == big);
+    assert_eq!(direct_read_bytes(&m), 0);
+    m.unmount();
+}
+
+#[test]
+fn a_file_read_in_scattered_small_pieces_goes_back_to_the_kernel_cache() {
+    let mut m = Mount::with_options(&["direct_read=1M"]);
+    let big = mib_data(8, 32);
+    fs::write(m.path("db"), &big).unwrap();
+    m.remount();
+    let f = File::open(m.path("db")).unwrap();
+    let mut page = vec![0u8; 4096];
+    for k in 0..64u64 {
+        let off = (k * 389 % 2048) * 4096;
+        f.read_exact_at(&mut page, off).unwrap();
+        assert!(
+            page == big[off as usize..off as usize + 4096],
+            "page at {off}"
+        );
+    }
+    drop(f);
+    let direct = direct_read_bytes(&m);
+    assert_eq!(direct, 64 * 4096, "the scattered reads were not direct");
+    let f = File::open(m.path("db")).unwrap();
+    f.read_exact_at(&mut page, 0).unwrap();
+    assert_eq!(
+        direct_read_bytes(&m),
+        direct,
+        "reopened file still read directly"
+    );
+    drop(f);
+    m.unmount();
+}
+
+#[test]
+fn a_direct_read_sees_what_a_cached_writer_has_not_written_back() {
+    let mut m = Mount::with_options(&["direct_read=1M"]);
+    let p = m.path("f");
+    fs::write(&p, mib_data(4, 33)).unwrap();
+    m.remount();
+    let r = File::open(&p).unwrap();
+    let w = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    let new = pattern(34, 256 << 10);
+    // Dirty in the kernel's cache (writeback cache on), not yet sent to the daemon.
+    w.write_all_at(new, (1 << 20) + 4096).unwrap();
+    let mut got = vec![0u8; new.len()];
+    r.read_exact_at(&mut got, (1 << 20) + 4096).unwrap();
+    assert!(got == new, "direct read missed the cached write");
+    assert!(
+        direct_read_bytes(&m) >= new.len() as u64,
+        "read was not direct"
+    );
+    // The writer's open put the file back in the kernel's cache for later opens.
+    drop((r, w));
+    let before = direct_read_bytes(&m);
+    let mut all = mib_data(4, 33);
+    all[(1 << 20) + 4096..(1 << 20) + 4096 + new.len()].copy_from_slice(new);
+    assert!(fs::read(&p).unwrap() == all);
+    assert_eq!(direct_read_bytes(&m), before);
+    m.unmount();
+}
+
+#[test]
+fn a_shared_mapping_of_a_direct_open_reads_the_file() {
+    let mut m = Mount::with_options(&["direct_read=1M"]);
+    let p = m.path("f");
+    let data = mib_data(2, 35);
+    fs::write(&p, &data).unwrap();
+    m.remount();
+    let f = File::open(&p).unwrap();
+    let mut head = vec![0u8; 4096];
+    f.read_exact_at(&mut head, 0).unwrap();
+    assert!(direct_read_bytes(&m) >= 4096, "the open is not direct");
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh read-only shared mapping of an open file, unmapped below.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            data.len(),
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(at, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+    // SAFETY: the mapping covers data.len() readable bytes.
+    let mapped = unsafe { std::slice::from_raw_parts(at.cast::<u8>(), data.len()) };
+    assert!(mapped == &data[..], "mapped bytes differ");
+    // SAFETY: unmaps the mapping made above.
+    assert_eq!(unsafe { libc::munmap(at, data.len()) }, 0);
+    drop(f);
     m.unmount();
 }

@@ -500,6 +500,11 @@ impl Fs {
         self.stats.fsync_gather_latency.record(d);
     }
 
+    /// Counts bytes read through an open that bypasses the kernel's page cache.
+    pub fn count_direct_read(&self, bytes: u64) {
+        crate::stats::Stats::add(&self.stats.direct_read_bytes, bytes);
+    }
+
     /// Counts a FUSE request that came through an io_uring queue.
     pub fn count_uring_request(&self) {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);

@@ -56,6 +56,14 @@ impl Filesystem for FuseFs {
             let _ = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE);
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // Direct reads (`fuse::direct`) only where the kernel writes a range's dirty
+        // cached pages back before a direct read of it and allows shared mappings.
+        if self.direct.enabled_by_config() {
+            let ok = config
+                .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+                .is_ok();
+            self.direct.set_agreed(ok);
+        }
         // We clear set-id bits on write, truncate and chown ourselves; in return the
         // kernel stops asking for security.capability before every write() (one
         // GETXATTR round trip per write without it).
@@ -214,14 +222,14 @@ impl Filesystem for FuseFs {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         size: u32,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        FuseFs::read(self, ino.0, offset, size, reply)
+        FuseFs::read(self, ino.0, fh.0, offset, size, reply)
     }
 
     fn write(

@@ -4,6 +4,7 @@
 mod abi;
 mod answer;
 mod classic;
+mod direct;
 mod group;
 mod ops;
 pub mod uring;

@@ -23,6 +23,7 @@ use super::answer::{
     done, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty, AnswerEntry,
     AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
 };
+use super::direct::{DirectReads, DIRECT_FH};
 use super::group::{FsyncQueue, PendingFsync, Preparing};
 use crate::error::Error;
 use crate::fs::{
@@ -63,6 +64,8 @@ pub struct FuseFs {
     pub(crate) uring: bool,
     /// Set at INIT when the kernel took FUSE over io_uring.
     pub(crate) uring_agreed: Arc<std::sync::atomic::AtomicBool>,
+    /// Which opens read past the kernel's page cache.
+    pub(crate) direct: Arc<DirectReads>,
 }
 
 impl FuseFs {
@@ -76,7 +79,14 @@ impl FuseFs {
             workers,
             uring: false,
             uring_agreed: Default::default(),
+            direct: Arc::new(DirectReads::new(None)),
         }
+    }
+
+    /// Lets read-only opens of files of at least `min_size` bytes read past the
+    /// kernel's page cache (see `fuse::direct`); `None` (the default here) never.
+    pub fn direct_reads(&mut self, min_size: Option<u64>) {
+        self.direct = Arc::new(DirectReads::new(min_size));
     }
 
     /// Lets group commits wait briefly for the fsyncs of threads expected back
@@ -403,6 +413,7 @@ impl FuseFs {
     }
 
     pub(crate) fn forget(&self, nodeid: u64, nlookup: u64) {
+        self.direct.forget(to_ino(nodeid));
         self.fs.forget(to_ino(nodeid), nlookup);
     }
 
@@ -528,20 +539,40 @@ impl FuseFs {
                 let _ = self.fs.release(a.ino);
                 reply.error(err(libc::EISDIR))
             }
+            Ok(a) if a.kind == FileKind::File && self.direct.open(a.ino, flags, a.size) => reply
+                .opened(
+                    FileHandle(DIRECT_FH),
+                    FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
+                ),
             Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    pub(crate) fn read(&self, nodeid: u64, offset: u64, size: u32, reply: impl AnswerData) {
+    /// Reads for handle `fh` (see [`FuseFs::open`]).
+    pub(crate) fn read(
+        &self,
+        nodeid: u64,
+        fh: u64,
+        offset: u64,
+        size: u32,
+        reply: impl AnswerData,
+    ) {
         thread_local! {
             /// Each request thread's reply buffer, kept across reads.
             static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         BUF.with(|b| {
             let mut b = b.borrow_mut();
-            match self.fs.read_into(to_ino(nodeid), offset, size, &mut b) {
-                Ok(()) => reply.data(&b),
+            let ino = to_ino(nodeid);
+            match self.fs.read_into(ino, offset, size, &mut b) {
+                Ok(()) => {
+                    if fh == DIRECT_FH {
+                        self.direct.read(ino, fh, offset, b.len() as u64);
+                        self.fs.count_direct_read(b.len() as u64);
+                    }
+                    reply.data(&b)
+                }
                 Err(e) => reply.error(errno(&e)),
             }
         })

@@ -686,7 +686,7 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         }
         abi::LINK => with_name(payload, r, |name, _, r| fs.link(op.u64(0), n, name, r)),
         abi::OPEN => fs.open(n, op.u32(0) as i32, r),
-        abi::READ => fs.read(n, op.u64(8), op.u32(16), r),
+        abi::READ => fs.read(n, op.u64(0), op.u64(8), op.u32(16), r),
         abi::WRITE => {
             let size = (op.u32(16) as usize).min(payload.len());
             let flags = WriteFlags::from_bits_truncate(op.u32(20));

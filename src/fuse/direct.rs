@@ -1,0 +1,263 @@
+//! Which opens read past the kernel's page cache (`FOPEN_DIRECT_IO`).
+//!
+//! Through the kernel's page cache a read costs two copies: the daemon's reply into
+//! page-cache pages the kernel has just allocated, then from those into the reader's
+//! buffer. birchfs has a cache and readahead of its own, so a file streamed once
+//! gains nothing from the first copy: a read-only open of a large file (mount option
+//! `direct_read=`, by default the size of birchfs's cache) gets direct I/O, and each
+//! read() becomes one request answered from birchfs's cache straight into the
+//! reader's buffer, without filling the kernel's cache with a second copy of data
+//! read once.
+//!
+//! The kernel's cache stays in charge of what it does better. Opens use it
+//! - for a file that has been read through once by direct opens, so a file read
+//!   again and again is cached by the kernel as on any filesystem;
+//! - for a file whose direct reads came in small pieces out of order (a database's
+//!   pages), which the kernel answers from memory without a round trip;
+//! - for a file opened for writing, or opened to be executed;
+//! - always, when the kernel cannot flush a writer's cached pages before a direct
+//!   read (it did not agree to `FUSE_DIRECT_IO_ALLOW_MMAP` at INIT).
+//!
+//! Correctness never rests on this bookkeeping: with `FUSE_DIRECT_IO_ALLOW_MMAP` the
+//! kernel writes back any dirty cached pages of a range before a direct read of it,
+//! and shared mappings of a direct open work. Entries go when the kernel forgets
+//! the inode.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+
+/// The file handle of an open that reads past the kernel's page cache (others are 0).
+pub(crate) const DIRECT_FH: u64 = 1;
+
+/// `__FMODE_EXEC`: the open flag of a file opened to be executed.
+const FMODE_EXEC: i32 = 0x20;
+
+/// Reads shorter than this that do not continue the previous one count as scattered.
+const SMALL_READ: u64 = 128 << 10;
+
+/// Scattered reads after which a file's later opens use the kernel's cache.
+const SCATTERED_MAX: u32 = 16;
+
+/// How a large file's opens read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// Past the kernel's cache, with what those reads have done so far.
+    Direct {
+        /// The file's size when it was last opened.
+        size: u64,
+        /// Bytes read through direct opens.
+        read: u64,
+        /// Where the last direct read ended.
+        next: u64,
+        /// Small reads that did not continue the one before.
+        scattered: u32,
+    },
+    /// Through the kernel's cache.
+    Cached,
+}
+
+/// The per-file choice between direct and cached reads (see the module docs).
+#[derive(Default)]
+pub(crate) struct DirectReads {
+    /// Smallest file that a read-only open reads directly; `None`: never.
+    min_size: Option<u64>,
+    /// Set at INIT when the kernel agreed to `FUSE_DIRECT_IO_ALLOW_MMAP`.
+    agreed: AtomicBool,
+    files: Mutex<HashMap<u64, Mode>>,
+}
+
+impl DirectReads {
+    /// Direct reads for read-only opens of files of at least `min_size` bytes; `None`
+    /// turns them off.
+    pub(crate) fn new(min_size: Option<u64>) -> DirectReads {
+        DirectReads {
+            min_size,
+            ..Default::default()
+        }
+    }
+
+    /// Records whether the kernel agreed to keep direct reads coherent.
+    pub(crate) fn set_agreed(&self, on: bool) {
+        self.agreed.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether direct reads are configured (the kernel's agreement aside).
+    pub(crate) fn enabled_by_config(&self) -> bool {
+        self.min_size.is_some()
+    }
+
+    /// Whether direct reads can be given at all (configured and agreed).
+    pub(crate) fn enabled(&self) -> bool {
+        self.min_size.is_some() && self.agreed.load(Ordering::SeqCst)
+    }
+
+    /// Whether an open of `ino` (a regular file of `size` bytes) with open `flags`
+    /// reads past the kernel's cache.
+    pub(crate) fn open(&self, ino: u64, flags: i32, size: u64) -> bool {
+        let Some(min) = self.min_size.filter(|_| self.enabled()) else {
+            return false;
+        };
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        let mut files = self.files.lock();
+        if writes || flags & FMODE_EXEC != 0 {
+            if size >= min || files.contains_key(&ino) {
+                files.insert(ino, Mode::Cached);
+            }
+            return false;
+        }
+        match files.get_mut(&ino) {
+            None if size >= min => {
+                files.insert(
+                    ino,
+                    Mode::Direct {
+                        size,
+                        read: 0,
+                        next: 0,
+                        scattered: 0,
+                    },
+                );
+                true
+            }
+            None | Some(Mode::Cached) => false,
+            Some(m) => {
+                let Mode::Direct {
+                    size: was,
+                    read,
+                    scattered,
+                    ..
+                } = m
+                else {
+                    return false;
+                };
+                if *read >= (*was).max(1) || *scattered >= SCATTERED_MAX {
+                    *m = Mode::Cached;
+                    false
+                } else {
+                    *was = size;
+                    true
+                }
+            }
+        }
+    }
+
+    /// Notes a read of `len` bytes at `offset` of `ino` through handle `fh`.
+    pub(crate) fn read(&self, ino: u64, fh: u64, offset: u64, len: u64) {
+        if fh != DIRECT_FH {
+            return;
+        }
+        if let Some(Mode::Direct {
+            read,
+            next,
+            scattered,
+            ..
+        }) = self.files.lock().get_mut(&ino)
+        {
+            *read += len;
+            if offset != *next && len < SMALL_READ {
+                *scattered += 1;
+            }
+            *next = offset + len;
+        }
+    }
+
+    /// Drops what is known of `ino` (the kernel forgot it, and its cached pages).
+    pub(crate) fn forget(&self, ino: u64) {
+        self.files.lock().remove(&ino);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: u64 = 1 << 20;
+    const RO: i32 = libc::O_RDONLY;
+
+    fn on() -> DirectReads {
+        let d = DirectReads::new(Some(64 * MB));
+        d.set_agreed(true);
+        d
+    }
+
+    #[test]
+    fn only_read_only_opens_of_large_files_read_directly() {
+        let d = on();
+        assert!(d.open(1, RO, 64 * MB));
+        assert!(!d.open(2, RO, 64 * MB - 1), "below the size");
+        assert!(!d.open(3, libc::O_RDWR, 100 * MB), "opened for writing");
+        assert!(!d.open(4, libc::O_WRONLY, 100 * MB));
+        assert!(!d.open(5, RO | libc::O_TRUNC, 100 * MB));
+        assert!(!d.open(6, RO | FMODE_EXEC, 100 * MB), "exec");
+    }
+
+    #[test]
+    fn nothing_is_direct_when_off_or_not_agreed_by_the_kernel() {
+        let off = DirectReads::new(None);
+        off.set_agreed(true);
+        assert!(!off.open(1, RO, 1 << 40));
+        let unagreed = DirectReads::new(Some(MB));
+        assert!(!unagreed.open(1, RO, 1 << 40));
+        assert!(!unagreed.enabled());
+    }
+
+    #[test]
+    fn a_file_read_through_once_is_cached_by_the_kernel_afterwards() {
+        let d = on();
+        assert!(d.open(1, RO, 100 * MB));
+        for k in 0..99 {
+            d.read(1, DIRECT_FH, k * MB, MB);
+        }
+        assert!(d.open(1, RO, 100 * MB), "not read through yet");
+        d.read(1, DIRECT_FH, 99 * MB, MB);
+        assert!(
+            !d.open(1, RO, 100 * MB),
+            "read through: the kernel caches it"
+        );
+        assert!(!d.open(1, RO, 100 * MB), "and keeps doing so");
+    }
+
+    #[test]
+    fn reads_of_cached_handles_do_not_count() {
+        let d = on();
+        assert!(d.open(1, RO, 100 * MB));
+        d.read(1, 0, 0, 100 * MB);
+        assert!(d.open(1, RO, 100 * MB));
+    }
+
+    #[test]
+    fn scattered_small_reads_send_later_opens_to_the_kernel_cache() {
+        let d = on();
+        assert!(d.open(1, RO, 1000 * MB));
+        for k in 1..=u64::from(SCATTERED_MAX) {
+            d.read(1, DIRECT_FH, (k * 37 % 997) * MB, 4096);
+        }
+        assert!(!d.open(1, RO, 1000 * MB));
+        // Large reads out of order (several streams) are not scattered.
+        assert!(d.open(2, RO, 1000 * MB));
+        for k in 0..64u64 {
+            d.read(2, DIRECT_FH, (k * 37 % 997) * MB, MB);
+        }
+        assert!(d.open(2, RO, 1000 * MB));
+    }
+
+    #[test]
+    fn a_write_open_of_a_large_file_keeps_it_in_the_kernel_cache() {
+        let d = on();
+        assert!(!d.open(1, libc::O_RDWR, 100 * MB));
+        assert!(!d.open(1, RO, 100 * MB));
+        // Also after direct opens of it.
+        assert!(d.open(2, RO, 100 * MB));
+        assert!(!d.open(2, libc::O_WRONLY, 100 * MB));
+        assert!(!d.open(2, RO, 100 * MB));
+    }
+
+    #[test]
+    fn forgetting_an_inode_starts_it_over() {
+        let d = on();
+        assert!(!d.open(1, libc::O_RDWR, 100 * MB));
+        d.forget(1);
+        assert!(d.open(1, RO, 100 * MB));
+    }
+}
