@@ -623,7 +623,7 @@ fn mount_serve(
         })?;
     const NOW: Duration = Duration::ZERO;
     const SECOND: Duration = Duration::from_secs(1);
-    const READAHEAD_THREADS: usize = 2;
+    const READAHEAD_THREADS: usize = 3;
     if !mo.fs.commit_interval.is_zero() && !mo.fs.readonly {
         let every = mo.fs.commit_interval;
         spawn_while_mounted("committer", &fs, every, move |fs| {
@@ -644,8 +644,10 @@ fn mount_serve(
             }
         })?;
     }
-    // Read the next windows of sequential readers while they take this one: two, so
-    // that one window's device reads overlap the other's checksums and copies.
+    // Read the next windows of sequential readers while they take this one: three, so
+    // that windows' device reads overlap each other and the others' checksums (a
+    // direct-read stream, answered without the kernel's copy, went from 2.5 to
+    // 3.0 GB/s with three threads four windows ahead instead of two and two).
     for _ in 0..READAHEAD_THREADS {
         spawn_while_mounted("readahead", &fs, NOW, |fs| {
             if let Err(e) = fs.readahead_step(SECOND) {

@@ -30,15 +30,16 @@ const BS: u64 = BLOCK_SIZE;
 /// Most dirty bytes one writeback pass takes from the cache before writing them.
 const WB_CHUNK: u64 = 8 << 20;
 
-/// Readahead windows queued at most (older ones are dropped first).
-const RA_QUEUE_MAX: usize = 8;
+/// Readahead windows queued at most (older ones are dropped first): four streams'.
+const RA_QUEUE_MAX: usize = 16;
 
 /// Stretch of a file whose fills take turns (see `Fs::fill_missing`): the largest
 /// readahead window.
 const FILL_SPAN: u64 = 4 << 20;
 
-/// Readahead windows the readahead thread keeps ahead of a sequential reader.
-const RA_AHEAD: u64 = 2;
+/// Readahead windows the readahead threads keep ahead of a sequential reader (four
+/// 4 MiB windows keep about three device reads in flight).
+const RA_AHEAD: u64 = 4;
 
 /// Most extents one clone step shares under the fs lock.
 const CLONE_STEP_EXTENTS: usize = 512;
