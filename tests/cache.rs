@@ -256,30 +256,57 @@ fn a_file_read_in_scattered_small_pieces_goes_back_to_the_kernel_cache() {
 }
 
 #[test]
-fn a_direct_read_sees_what_a_cached_writer_has_not_written_back() {
+fn a_writer_beside_a_direct_reader_is_direct_and_seen_at_once() {
     let mut m = Mount::with_options(&["direct_read=1M"]);
     let p = m.path("f");
-    fs::write(&p, mib_data(4, 33)).unwrap();
+    let mut all = mib_data(4, 33);
+    fs::write(&p, &all).unwrap();
     m.remount();
     let r = File::open(&p).unwrap();
     let w = OpenOptions::new().read(true).write(true).open(&p).unwrap();
-    let new = pattern(34, 256 << 10);
-    // Dirty in the kernel's cache (writeback cache on), not yet sent to the daemon.
-    w.write_all_at(new, (1 << 20) + 4096).unwrap();
-    let mut got = vec![0u8; new.len()];
-    r.read_exact_at(&mut got, (1 << 20) + 4096).unwrap();
-    assert!(got == new, "direct read missed the cached write");
-    assert!(
-        direct_read_bytes(&m) >= new.len() as u64,
-        "read was not direct"
-    );
-    // The writer's open put the file back in the kernel's cache for later opens.
-    drop((r, w));
+    // Extend past the end with a gap: had the writer gone through the kernel's cache,
+    // a direct read of the gap would end at the size the daemon knew.
+    let tail = pattern(34, 64 << 10);
+    w.write_all_at(tail, 6 << 20).unwrap();
+    all.resize(6 << 20, 0);
+    all.extend_from_slice(tail);
+    let mut got = vec![0xffu8; 1 << 20];
+    r.read_exact_at(&mut got, 4 << 20).unwrap();
+    assert!(got.iter().all(|&b| b == 0), "the gap does not read as zeros");
     let before = direct_read_bytes(&m);
-    let mut all = mib_data(4, 33);
-    all[(1 << 20) + 4096..(1 << 20) + 4096 + new.len()].copy_from_slice(new);
+    assert!(before >= 1 << 20, "the reader was not direct");
+    // A shared writable mapping of the writer keeps its changes in the kernel's
+    // cache; a direct read writes them back first.
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh shared mapping of an open file, unmapped below.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            1 << 20,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            w.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(at, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+    let new = pattern(35, 8192);
+    // SAFETY: the mapping covers 1 MiB of writable bytes.
+    let mapped = unsafe { std::slice::from_raw_parts_mut(at.cast::<u8>(), 1 << 20) };
+    mapped[4096..4096 + 8192].copy_from_slice(new);
+    all[4096..4096 + 8192].copy_from_slice(new);
+    let mut got = vec![0u8; 8192];
+    r.read_exact_at(&mut got, 4096).unwrap();
+    assert!(got == new, "direct read missed the mapping's change");
+    // SAFETY: unmaps the mapping made above.
+    assert_eq!(unsafe { libc::munmap(at, 1 << 20) }, 0);
+    drop((r, w));
+    // The writer's open put the file in the kernel's cache for later opens.
+    let before = direct_read_bytes(&m);
     assert!(fs::read(&p).unwrap() == all);
     assert_eq!(direct_read_bytes(&m), before);
+    m.remount();
+    assert!(fs::read(&p).unwrap() == all, "after a remount");
     m.unmount();
 }
 
@@ -313,5 +340,54 @@ fn a_shared_mapping_of_a_direct_open_reads_the_file() {
     // SAFETY: unmaps the mapping made above.
     assert_eq!(unsafe { libc::munmap(at, data.len()) }, 0);
     drop(f);
+    m.unmount();
+}
+
+#[test]
+fn direct_reads_match_a_model_while_a_writer_changes_the_file() {
+    use rand::{Rng, SeedableRng};
+    let mut m = Mount::with_options(&["direct_read=0"]);
+    let p = m.path("f");
+    let mut model = mib_data(2, 36);
+    fs::write(&p, &model).unwrap();
+    m.remount();
+    // The direct reader first: the writer opened beside it is direct too.
+    let r = File::open(&p).unwrap();
+    let w = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0xd1_7ec7);
+    for step in 0..400 {
+        match rng.gen_range(0..10) {
+            0..=4 => {
+                let off = rng.gen_range(0..3 << 20);
+                let len = rng.gen_range(1..64 << 10);
+                let byte = rng.gen::<u8>();
+                w.write_all_at(&vec![byte; len], off as u64).unwrap();
+                if model.len() < off + len {
+                    model.resize(off + len, 0);
+                }
+                model[off..off + len].fill(byte);
+            }
+            5 => {
+                let len = rng.gen_range(0..3 << 20);
+                w.set_len(len as u64).unwrap();
+                model.resize(len, 0);
+            }
+            6 => w.sync_data().unwrap(),
+            _ => {
+                let off = rng.gen_range(0..3 << 20);
+                let len = rng.gen_range(1..256 << 10);
+                let mut got = vec![0u8; len];
+                let n = r.read_at(&mut got, off as u64).unwrap();
+                let want = &model[off.min(model.len())..(off + len).min(model.len())];
+                assert_eq!(n, want.len(), "step {step}: read of {len} at {off}");
+                assert!(got[..n] == *want, "step {step}: bytes at {off} differ");
+            }
+        }
+    }
+    assert!(direct_read_bytes(&m) > 0, "no read was direct");
+    drop((r, w));
+    assert!(fs::read(&p).unwrap() == model);
+    m.remount();
+    assert!(fs::read(&p).unwrap() == model, "after a remount");
     m.unmount();
 }

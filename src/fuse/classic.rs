@@ -262,13 +262,13 @@ impl Filesystem for FuseFs {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        FuseFs::release(self, ino.0, reply)
+        FuseFs::release(self, ino.0, fh.0, reply)
     }
 
     fn fsync(

@@ -18,10 +18,15 @@
 //! - always, when the kernel cannot flush a writer's cached pages before a direct
 //!   read (it did not agree to `FUSE_DIRECT_IO_ALLOW_MMAP` at INIT).
 //!
-//! Correctness never rests on this bookkeeping: with `FUSE_DIRECT_IO_ALLOW_MMAP` the
-//! kernel writes back any dirty cached pages of a range before a direct read of it,
-//! and shared mappings of a direct open work. Entries go when the kernel forgets
-//! the inode.
+//! An inode's open handles are all direct or all cached: an open while others are
+//! open takes their kind, a writer's too. Mixed, a cached writer could extend the file
+//! in the kernel's cache with a gap before its new data, and a direct read of the gap
+//! would end at the size birchfs knows (the kernel writes back only the dirty pages of
+//! the range a direct read asks for). Otherwise correctness does not rest on this
+//! bookkeeping: with `FUSE_DIRECT_IO_ALLOW_MMAP` the kernel writes back a range's
+//! dirty cached pages (a shared mapping's too) before a direct read of it. An entry
+//! goes when the kernel forgets the inode, or when its last handle closes and nothing
+//! is known of it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,9 +45,11 @@ const SMALL_READ: u64 = 128 << 10;
 /// Scattered reads after which a file's later opens use the kernel's cache.
 const SCATTERED_MAX: u32 = 16;
 
-/// How a large file's opens read.
+/// How a file's opens read, once none of its handles is open.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
+    /// As the size and open flags say (nothing is known of it).
+    Fresh,
     /// Past the kernel's cache, with what those reads have done so far.
     Direct {
         /// The file's size when it was last opened.
@@ -58,6 +65,15 @@ enum Mode {
     Cached,
 }
 
+/// What is known of one inode.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    mode: Mode,
+    /// Handles open now, direct and cached (one of them is 0).
+    direct: u32,
+    cached: u32,
+}
+
 /// The per-file choice between direct and cached reads (see the module docs).
 #[derive(Default)]
 pub(crate) struct DirectReads {
@@ -65,7 +81,7 @@ pub(crate) struct DirectReads {
     min_size: Option<u64>,
     /// Set at INIT when the kernel agreed to `FUSE_DIRECT_IO_ALLOW_MMAP`.
     agreed: AtomicBool,
-    files: Mutex<HashMap<u64, Mode>>,
+    files: Mutex<HashMap<u64, Entry>>,
 }
 
 impl DirectReads {
@@ -93,52 +109,92 @@ impl DirectReads {
         self.min_size.is_some() && self.agreed.load(Ordering::SeqCst)
     }
 
-    /// Whether an open of `ino` (a regular file of `size` bytes) with open `flags`
-    /// reads past the kernel's cache.
-    pub(crate) fn open(&self, ino: u64, flags: i32, size: u64) -> bool {
+    /// Opens a handle of `ino` (a regular file of `size` bytes) with open `flags`;
+    /// returns its file handle, [`DIRECT_FH`] when it reads past the kernel's cache.
+    /// Each handle is closed with [`DirectReads::release`].
+    pub(crate) fn open(&self, ino: u64, flags: i32, size: u64) -> u64 {
         let Some(min) = self.min_size.filter(|_| self.enabled()) else {
-            return false;
+            return 0;
         };
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
         let mut files = self.files.lock();
-        if writes || flags & FMODE_EXEC != 0 {
-            if size >= min || files.contains_key(&ino) {
-                files.insert(ino, Mode::Cached);
-            }
-            return false;
-        }
-        match files.get_mut(&ino) {
-            None if size >= min => {
-                files.insert(
-                    ino,
-                    Mode::Direct {
-                        size,
-                        read: 0,
-                        next: 0,
-                        scattered: 0,
-                    },
-                );
-                true
-            }
-            None | Some(Mode::Cached) => false,
-            Some(m) => {
-                let Mode::Direct {
+        let e = files.entry(ino).or_insert(Entry {
+            mode: Mode::Fresh,
+            direct: 0,
+            cached: 0,
+        });
+        let direct = if e.direct > 0 {
+            true
+        } else if e.cached > 0 || writes || flags & FMODE_EXEC != 0 {
+            false
+        } else {
+            match &mut e.mode {
+                Mode::Fresh => size >= min,
+                Mode::Cached => false,
+                Mode::Direct {
                     size: was,
                     read,
                     scattered,
                     ..
-                } = m
-                else {
-                    return false;
-                };
-                if *read >= (*was).max(1) || *scattered >= SCATTERED_MAX {
-                    *m = Mode::Cached;
-                    false
-                } else {
-                    *was = size;
-                    true
+                } => {
+                    if *read >= (*was).max(1) || *scattered >= SCATTERED_MAX {
+                        false
+                    } else {
+                        *was = size;
+                        true
+                    }
                 }
             }
+        };
+        if writes || flags & FMODE_EXEC != 0 || !direct && e.mode != Mode::Fresh {
+            // Its pages may sit in the kernel's cache from now on.
+            e.mode = Mode::Cached;
+        } else if direct && e.mode == Mode::Fresh {
+            e.mode = Mode::Direct {
+                size,
+                read: 0,
+                next: 0,
+                scattered: 0,
+            };
+        }
+        if direct {
+            e.direct += 1;
+            DIRECT_FH
+        } else {
+            e.cached += 1;
+            0
+        }
+    }
+
+    /// Counts the handle (cached) that creating `ino` opened.
+    pub(crate) fn created(&self, ino: u64) {
+        if !self.enabled() {
+            return;
+        }
+        let mut files = self.files.lock();
+        let e = files.entry(ino).or_insert(Entry {
+            mode: Mode::Cached,
+            direct: 0,
+            cached: 0,
+        });
+        e.mode = Mode::Cached;
+        e.cached += 1;
+    }
+
+    /// Closes a handle that [`DirectReads::open`] gave out (or a created file's, 0).
+    pub(crate) fn release(&self, ino: u64, fh: u64) {
+        let mut files = self.files.lock();
+        let Some(e) = files.get_mut(&ino) else {
+            return;
+        };
+        let n = if fh == DIRECT_FH {
+            &mut e.direct
+        } else {
+            &mut e.cached
+        };
+        *n = n.saturating_sub(1);
+        if e.direct == 0 && e.cached == 0 && e.mode == Mode::Fresh {
+            files.remove(&ino);
         }
     }
 
@@ -147,10 +203,14 @@ impl DirectReads {
         if fh != DIRECT_FH {
             return;
         }
-        if let Some(Mode::Direct {
-            read,
-            next,
-            scattered,
+        if let Some(Entry {
+            mode:
+                Mode::Direct {
+                    read,
+                    next,
+                    scattered,
+                    ..
+                },
             ..
         }) = self.files.lock().get_mut(&ino)
         {
@@ -181,83 +241,124 @@ mod tests {
         d
     }
 
+    /// Opens and closes at once: whether that open was direct.
+    fn once(d: &DirectReads, ino: u64, flags: i32, size: u64) -> bool {
+        let fh = d.open(ino, flags, size);
+        d.release(ino, fh);
+        fh == DIRECT_FH
+    }
+
     #[test]
     fn only_read_only_opens_of_large_files_read_directly() {
         let d = on();
-        assert!(d.open(1, RO, 64 * MB));
-        assert!(!d.open(2, RO, 64 * MB - 1), "below the size");
-        assert!(!d.open(3, libc::O_RDWR, 100 * MB), "opened for writing");
-        assert!(!d.open(4, libc::O_WRONLY, 100 * MB));
-        assert!(!d.open(5, RO | libc::O_TRUNC, 100 * MB));
-        assert!(!d.open(6, RO | FMODE_EXEC, 100 * MB), "exec");
+        assert!(once(&d, 1, RO, 64 * MB));
+        assert!(!once(&d, 2, RO, 64 * MB - 1), "below the size");
+        assert!(!once(&d, 3, libc::O_RDWR, 100 * MB), "opened for writing");
+        assert!(!once(&d, 4, libc::O_WRONLY, 100 * MB));
+        assert!(!once(&d, 5, RO | libc::O_TRUNC, 100 * MB));
+        assert!(!once(&d, 6, RO | FMODE_EXEC, 100 * MB), "exec");
+        // Only large files seen so far, or open, are tracked.
+        assert!(d.files.lock().get(&2).is_none());
     }
 
     #[test]
     fn nothing_is_direct_when_off_or_not_agreed_by_the_kernel() {
         let off = DirectReads::new(None);
         off.set_agreed(true);
-        assert!(!off.open(1, RO, 1 << 40));
+        assert!(!once(&off, 1, RO, 1 << 40));
         let unagreed = DirectReads::new(Some(MB));
-        assert!(!unagreed.open(1, RO, 1 << 40));
+        assert!(!once(&unagreed, 1, RO, 1 << 40));
         assert!(!unagreed.enabled());
     }
 
     #[test]
     fn a_file_read_through_once_is_cached_by_the_kernel_afterwards() {
         let d = on();
-        assert!(d.open(1, RO, 100 * MB));
+        let fh = d.open(1, RO, 100 * MB);
+        assert_eq!(fh, DIRECT_FH);
         for k in 0..99 {
-            d.read(1, DIRECT_FH, k * MB, MB);
+            d.read(1, fh, k * MB, MB);
         }
-        assert!(d.open(1, RO, 100 * MB), "not read through yet");
+        d.release(1, fh);
+        assert!(once(&d, 1, RO, 100 * MB), "not read through yet");
         d.read(1, DIRECT_FH, 99 * MB, MB);
         assert!(
-            !d.open(1, RO, 100 * MB),
+            !once(&d, 1, RO, 100 * MB),
             "read through: the kernel caches it"
         );
-        assert!(!d.open(1, RO, 100 * MB), "and keeps doing so");
+        assert!(!once(&d, 1, RO, 100 * MB), "and keeps doing so");
     }
 
     #[test]
     fn reads_of_cached_handles_do_not_count() {
         let d = on();
-        assert!(d.open(1, RO, 100 * MB));
+        assert!(once(&d, 1, RO, 100 * MB));
         d.read(1, 0, 0, 100 * MB);
-        assert!(d.open(1, RO, 100 * MB));
+        assert!(once(&d, 1, RO, 100 * MB));
     }
 
     #[test]
     fn scattered_small_reads_send_later_opens_to_the_kernel_cache() {
         let d = on();
-        assert!(d.open(1, RO, 1000 * MB));
+        assert!(once(&d, 1, RO, 1000 * MB));
         for k in 1..=u64::from(SCATTERED_MAX) {
             d.read(1, DIRECT_FH, (k * 37 % 997) * MB, 4096);
         }
-        assert!(!d.open(1, RO, 1000 * MB));
+        assert!(!once(&d, 1, RO, 1000 * MB));
         // Large reads out of order (several streams) are not scattered.
-        assert!(d.open(2, RO, 1000 * MB));
+        assert!(once(&d, 2, RO, 1000 * MB));
         for k in 0..64u64 {
             d.read(2, DIRECT_FH, (k * 37 % 997) * MB, MB);
         }
-        assert!(d.open(2, RO, 1000 * MB));
+        assert!(once(&d, 2, RO, 1000 * MB));
     }
 
     #[test]
     fn a_write_open_of_a_large_file_keeps_it_in_the_kernel_cache() {
         let d = on();
-        assert!(!d.open(1, libc::O_RDWR, 100 * MB));
-        assert!(!d.open(1, RO, 100 * MB));
+        assert!(!once(&d, 1, libc::O_RDWR, 100 * MB));
+        assert!(!once(&d, 1, RO, 100 * MB));
         // Also after direct opens of it.
-        assert!(d.open(2, RO, 100 * MB));
-        assert!(!d.open(2, libc::O_WRONLY, 100 * MB));
-        assert!(!d.open(2, RO, 100 * MB));
+        assert!(once(&d, 2, RO, 100 * MB));
+        assert!(!once(&d, 2, libc::O_WRONLY, 100 * MB));
+        assert!(!once(&d, 2, RO, 100 * MB));
+    }
+
+    #[test]
+    fn open_handles_are_all_direct_or_all_cached() {
+        let d = on();
+        // A writer opened while a direct reader is open is direct too; afterwards
+        // the file is the kernel's to cache.
+        let r = d.open(1, RO, 100 * MB);
+        assert_eq!(r, DIRECT_FH);
+        let w = d.open(1, libc::O_RDWR, 100 * MB);
+        assert_eq!(w, DIRECT_FH, "writer beside a direct reader");
+        d.release(1, r);
+        assert_eq!(
+            d.open(1, RO, 100 * MB),
+            DIRECT_FH,
+            "the writer is still open"
+        );
+        d.release(1, DIRECT_FH);
+        d.release(1, w);
+        assert!(!once(&d, 1, RO, 100 * MB));
+        // A reader opened while a cached handle (a small file's writer, the file
+        // since grown) is open is cached, whatever the size.
+        let w = d.open(2, libc::O_WRONLY, 0);
+        assert_eq!(w, 0);
+        assert!(!once(&d, 2, RO, 100 * MB), "reader beside a cached writer");
+        d.release(2, w);
+        // A created file's handle counts as cached.
+        d.created(3);
+        assert!(!once(&d, 3, RO, 100 * MB));
+        d.release(3, 0);
     }
 
     #[test]
     fn forgetting_an_inode_starts_it_over() {
         let d = on();
-        assert!(!d.open(1, libc::O_RDWR, 100 * MB));
+        assert!(!once(&d, 1, libc::O_RDWR, 100 * MB));
         d.forget(1);
-        assert!(d.open(1, RO, 100 * MB));
+        assert!(once(&d, 1, RO, 100 * MB));
     }
 }

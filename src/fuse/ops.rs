@@ -539,11 +539,13 @@ impl FuseFs {
                 let _ = self.fs.release(a.ino);
                 reply.error(err(libc::EISDIR))
             }
-            Ok(a) if a.kind == FileKind::File && self.direct.open(a.ino, flags, a.size) => reply
-                .opened(
+            Ok(a) if a.kind == FileKind::File => match self.direct.open(a.ino, flags, a.size) {
+                DIRECT_FH => reply.opened(
                     FileHandle(DIRECT_FH),
                     FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
                 ),
+                fh => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+            },
             Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
             Err(e) => reply.error(errno(&e)),
         }
@@ -609,7 +611,8 @@ impl FuseFs {
         reply.error(err(libc::ENOSYS))
     }
 
-    pub(crate) fn release(&self, nodeid: u64, reply: impl AnswerEmpty) {
+    pub(crate) fn release(&self, nodeid: u64, fh: u64, reply: impl AnswerEmpty) {
+        self.direct.release(to_ino(nodeid), fh);
         empty(self.fs.release(to_ino(nodeid)), reply)
     }
 
@@ -770,13 +773,16 @@ impl FuseFs {
             Ok(a)
         });
         match r {
-            Ok(a) => reply.created(
-                &TTL,
-                &fattr(&a),
-                Generation(a.generation),
-                FileHandle(0),
-                FopenFlags::FOPEN_KEEP_CACHE,
-            ),
+            Ok(a) => {
+                self.direct.created(a.ino);
+                reply.created(
+                    &TTL,
+                    &fattr(&a),
+                    Generation(a.generation),
+                    FileHandle(0),
+                    FopenFlags::FOPEN_KEEP_CACHE,
+                )
+            }
             Err(e) => reply.error(errno(&e)),
         }
     }

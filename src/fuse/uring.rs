@@ -693,7 +693,7 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
             fs.write(n, op.u64(8), &payload[..size], flags, r)
         }
         abi::STATFS => fs.statfs(r),
-        abi::RELEASE => fs.release(n, r),
+        abi::RELEASE => fs.release(n, op.u64(0), r),
         abi::FSYNC | abi::FSYNCDIR => fs.fsync(c.pid, n, op.u32(8) & abi::FSYNC_FDATASYNC != 0, r),
         abi::SETXATTR => with_name(payload, r, |name, value, r| {
             let size = (op.u32(0) as usize).min(value.len());
