@@ -272,7 +272,10 @@ fn a_writer_beside_a_direct_reader_is_direct_and_seen_at_once() {
     all.extend_from_slice(tail);
     let mut got = vec![0xffu8; 1 << 20];
     r.read_exact_at(&mut got, 4 << 20).unwrap();
-    assert!(got.iter().all(|&b| b == 0), "the gap does not read as zeros");
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "the gap does not read as zeros"
+    );
     let before = direct_read_bytes(&m);
     assert!(before >= 1 << 20, "the reader was not direct");
     // A shared writable mapping of the writer keeps its changes in the kernel's
