@@ -24,9 +24,9 @@
 //! would end at the size birchfs knows (the kernel writes back only the dirty pages of
 //! the range a direct read asks for). Otherwise correctness does not rest on this
 //! bookkeeping: with `FUSE_DIRECT_IO_ALLOW_MMAP` the kernel writes back a range's
-//! dirty cached pages (a shared mapping's too) before a direct read of it. An entry
-//! goes when the kernel forgets the inode, or when its last handle closes and nothing
-//! is known of it.
+//! dirty cached pages (a shared mapping's too) before a direct read of it, and on
+//! close a handle's. An entry goes when the kernel forgets the inode, or when its
+//! last handle closes and it is small or nothing is known of it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -72,6 +72,10 @@ struct Entry {
     /// Handles open now, direct and cached (one of them is 0).
     direct: u32,
     cached: u32,
+    /// Whether it was at least the direct-read size at an open. Small files are
+    /// forgotten when their last handle closes (the kernel wrote back what it held
+    /// of them on close), so that the map does not grow with every file written.
+    large: bool,
 }
 
 /// The per-file choice between direct and cached reads (see the module docs).
@@ -122,7 +126,9 @@ impl DirectReads {
             mode: Mode::Fresh,
             direct: 0,
             cached: 0,
+            large: false,
         });
+        e.large |= size >= min;
         let direct = if e.direct > 0 {
             true
         } else if e.cached > 0 || writes || flags & FMODE_EXEC != 0 {
@@ -176,6 +182,7 @@ impl DirectReads {
             mode: Mode::Cached,
             direct: 0,
             cached: 0,
+            large: false,
         });
         e.mode = Mode::Cached;
         e.cached += 1;
@@ -193,7 +200,7 @@ impl DirectReads {
             &mut e.cached
         };
         *n = n.saturating_sub(1);
-        if e.direct == 0 && e.cached == 0 && e.mode == Mode::Fresh {
+        if e.direct == 0 && e.cached == 0 && (e.mode == Mode::Fresh || !e.large) {
             files.remove(&ino);
         }
     }
@@ -259,6 +266,12 @@ mod tests {
         assert!(!once(&d, 6, RO | FMODE_EXEC, 100 * MB), "exec");
         // Only large files seen so far, or open, are tracked.
         assert!(d.files.lock().get(&2).is_none());
+        let w = d.open(7, libc::O_RDWR, 0);
+        d.created(8);
+        assert_eq!(d.files.lock().len(), 7);
+        d.release(7, w);
+        d.release(8, 0);
+        assert_eq!(d.files.lock().len(), 5, "closed small files are kept");
     }
 
     #[test]
