@@ -25,8 +25,11 @@ mount: deps build
 # Every test: unit, model, FUSE integration, data. Release build: the data tests move GiBs.
 # The FUSE suites run a second time with every mount served through io_uring queues
 # (uring=on), where the kernel has FUSE over io_uring and fuse's enable_uring parameter
-# can be turned on (root); the parameter is set back to what it was afterwards.
+# can be turned on (root); the parameter is set back to what it was afterwards. They
+# run a third time with every read-only open reading past the kernel's page cache
+# (direct_read=0), the cache suite aside (its tests set direct_read= themselves).
 FUSE_SUITES := --test posix --test data --test cache --test faults --test reflink --test snapshots
+DIRECT_SUITES := --test posix --test data --test faults --test reflink --test snapshots
 URING_PARAM := /sys/module/fuse/parameters/enable_uring
 test: deps
 	$(CARGO) build --release
@@ -37,6 +40,10 @@ test: deps
 	     echo "FUSE suites again over io_uring (uring=on)"; \
 	     BIRCHFS_TEST_MOUNT_OPTIONS=uring=on $(CARGO) test --release $(FUSE_SUITES) -- --test-threads=2 || status=$$?; \
 	   else echo "FUSE over io_uring: skipped (no enable_uring parameter here, or it cannot be turned on)"; fi; \
+	 fi; \
+	 if [ $$status = 0 ]; then \
+	   echo "FUSE suites again with direct reads (direct_read=0)"; \
+	   BIRCHFS_TEST_MOUNT_OPTIONS=direct_read=0 $(CARGO) test --release $(DIRECT_SUITES) -- --test-threads=2 || status=$$?; \
 	 fi; \
 	 if [ "$$was" = N ]; then echo 0 > $(URING_PARAM) 2>/dev/null || true; fi; \
 	 exit $$status
