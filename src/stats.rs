@@ -30,6 +30,8 @@ pub struct Stats {
     pub read_waits: AtomicU64,
     /// Bytes read by users through opens that bypass the kernel's page cache.
     pub direct_read_bytes: AtomicU64,
+    /// Such opens not yet released (a gauge).
+    pub direct_handles: AtomicU64,
     /// Bytes of file data shared by clone or copy_file_range instead of copied.
     pub cloned_bytes: AtomicU64,
     /// Bytes of tree nodes written to the device.
@@ -84,6 +86,7 @@ impl Stats {
             readahead_async: g(&self.readahead_async),
             read_waits: g(&self.read_waits),
             direct_read_bytes: g(&self.direct_read_bytes),
+            direct_handles: g(&self.direct_handles),
             cloned_bytes: g(&self.cloned_bytes),
             cache_bytes: 0,
             cache_dirty_bytes: 0,
@@ -131,6 +134,8 @@ pub struct StatsSnapshot {
     pub read_waits: u64,
     /// See [`Stats::direct_read_bytes`].
     pub direct_read_bytes: u64,
+    /// See [`Stats::direct_handles`].
+    pub direct_handles: u64,
     /// See [`Stats::cloned_bytes`].
     pub cloned_bytes: u64,
     /// Bytes held by the page cache now (a gauge, filled in by `Fs::stats`).
@@ -274,7 +279,7 @@ impl StatsSnapshot {
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
-                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
+                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
             self.fsyncs,
@@ -297,6 +302,7 @@ impl StatsSnapshot {
             self.writeback_runs,
             self.readahead_async,
             self.read_waits,
+            self.direct_handles,
             self.cache_bytes,
             self.cache_dirty_bytes,
             self.flushes,
@@ -368,6 +374,11 @@ impl StatsSnapshot {
             &mut s,
             "bytes read past the kernel cache",
             self.direct_read_bytes.to_string(),
+        );
+        row(
+            &mut s,
+            "open handles past the kernel cache",
+            self.direct_handles.to_string(),
         );
         row(
             &mut s,

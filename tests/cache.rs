@@ -191,6 +191,26 @@ fn direct_read_bytes(m: &Mount) -> u64 {
         .expect("bytes.direct_read")
 }
 
+/// Waits until the daemon has had every direct handle released: the kernel sends
+/// RELEASE after close() has returned, so an open right after a close can arrive
+/// first (and would take the kind of the handle still open).
+fn wait_direct_handles_released(m: &Mount) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let n = daemon_stats(m)["direct_handles"]
+            .as_u64()
+            .expect("direct_handles");
+        if n == 0 {
+            return;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "{n} direct handles still open 10 s after their close"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn large_read_only_opens_bypass_the_kernel_cache_until_read_through_once() {
     let mut m = Mount::with_options(&["direct_read=1M"]);
@@ -212,6 +232,7 @@ fn large_read_only_opens_bypass_the_kernel_cache_until_read_through_once() {
         first >= 4 << 20,
         "read-only open of 4 MiB not direct: {first}"
     );
+    wait_direct_handles_released(&m);
 
     // Read through once: the next open goes through the kernel's cache.
     assert!(fs::read(m.path("big")).unwrap() == big);
@@ -242,6 +263,7 @@ fn a_file_read_in_scattered_small_pieces_goes_back_to_the_kernel_cache() {
         );
     }
     drop(f);
+    wait_direct_handles_released(&m);
     let direct = direct_read_bytes(&m);
     assert_eq!(direct, 64 * 4096, "the scattered reads were not direct");
     let f = File::open(m.path("db")).unwrap();
@@ -304,6 +326,7 @@ fn a_writer_beside_a_direct_reader_is_direct_and_seen_at_once() {
     // SAFETY: unmaps the mapping made above.
     assert_eq!(unsafe { libc::munmap(at, 1 << 20) }, 0);
     drop((r, w));
+    wait_direct_handles_released(&m);
     // The writer's open put the file in the kernel's cache for later opens.
     let before = direct_read_bytes(&m);
     assert!(fs::read(&p).unwrap() == all);

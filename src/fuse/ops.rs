@@ -540,10 +540,13 @@ impl FuseFs {
                 reply.error(err(libc::EISDIR))
             }
             Ok(a) if a.kind == FileKind::File => match self.direct.open(a.ino, flags, a.size) {
-                DIRECT_FH => reply.opened(
-                    FileHandle(DIRECT_FH),
-                    FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
-                ),
+                DIRECT_FH => {
+                    self.fs.count_direct_handle(true);
+                    reply.opened(
+                        FileHandle(DIRECT_FH),
+                        FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
+                    )
+                }
                 fh => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
             },
             Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
@@ -613,6 +616,9 @@ impl FuseFs {
 
     pub(crate) fn release(&self, nodeid: u64, fh: u64, reply: impl AnswerEmpty) {
         self.direct.release(to_ino(nodeid), fh);
+        if fh == DIRECT_FH {
+            self.fs.count_direct_handle(false);
+        }
         empty(self.fs.release(to_ino(nodeid)), reply)
     }
 
