@@ -277,15 +277,22 @@ fn a_file_read_in_scattered_small_pieces_goes_back_to_the_kernel_cache() {
     m.unmount();
 }
 
-#[test]
-fn a_writer_beside_a_direct_reader_is_direct_and_seen_at_once() {
-    let mut m = Mount::with_options(&["direct_read=1M"]);
+/// A mount with `opts` holding file `f` of `data`, remounted so that nothing is known
+/// of it, and a reader and then a read-write handle of `f` opened beside it.
+fn reader_then_writer(opts: &[&str], data: &[u8]) -> (Mount, std::path::PathBuf, File, File) {
+    let mut m = Mount::with_options(opts);
     let p = m.path("f");
-    let mut all = mib_data(4, 33);
-    fs::write(&p, &all).unwrap();
+    fs::write(&p, data).unwrap();
     m.remount();
     let r = File::open(&p).unwrap();
     let w = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    (m, p, r, w)
+}
+
+#[test]
+fn a_writer_beside_a_direct_reader_is_direct_and_seen_at_once() {
+    let mut all = mib_data(4, 33);
+    let (mut m, p, r, w) = reader_then_writer(&["direct_read=1M"], &all);
     // Extend past the end with a gap: had the writer gone through the kernel's cache,
     // a direct read of the gap would end at the size the daemon knew.
     let tail = pattern(34, 64 << 10);
@@ -372,14 +379,9 @@ fn a_shared_mapping_of_a_direct_open_reads_the_file() {
 #[test]
 fn direct_reads_match_a_model_while_a_writer_changes_the_file() {
     use rand::{Rng, SeedableRng};
-    let mut m = Mount::with_options(&["direct_read=0"]);
-    let p = m.path("f");
     let mut model = mib_data(2, 36);
-    fs::write(&p, &model).unwrap();
-    m.remount();
     // The direct reader first: the writer opened beside it is direct too.
-    let r = File::open(&p).unwrap();
-    let w = OpenOptions::new().read(true).write(true).open(&p).unwrap();
+    let (mut m, p, r, w) = reader_then_writer(&["direct_read=0"], &model);
     let mut rng = rand::rngs::StdRng::seed_from_u64(0xd1_7ec7);
     for step in 0..400 {
         match rng.gen_range(0..10) {

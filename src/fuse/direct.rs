@@ -78,6 +78,18 @@ struct Entry {
     large: bool,
 }
 
+impl Entry {
+    /// Nothing known, no handle open.
+    fn new() -> Entry {
+        Entry {
+            mode: Mode::Fresh,
+            direct: 0,
+            cached: 0,
+            large: false,
+        }
+    }
+}
+
 /// The per-file choice between direct and cached reads (see the module docs).
 #[derive(Default)]
 pub(crate) struct DirectReads {
@@ -122,12 +134,7 @@ impl DirectReads {
         };
         let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
         let mut files = self.files.lock();
-        let e = files.entry(ino).or_insert(Entry {
-            mode: Mode::Fresh,
-            direct: 0,
-            cached: 0,
-            large: false,
-        });
+        let e = files.entry(ino).or_insert_with(Entry::new);
         e.large |= size >= min;
         let direct = if e.direct > 0 {
             true
@@ -178,12 +185,7 @@ impl DirectReads {
             return;
         }
         let mut files = self.files.lock();
-        let e = files.entry(ino).or_insert(Entry {
-            mode: Mode::Cached,
-            direct: 0,
-            cached: 0,
-            large: false,
-        });
+        let e = files.entry(ino).or_insert_with(Entry::new);
         e.mode = Mode::Cached;
         e.cached += 1;
     }
