@@ -30,8 +30,6 @@ pub struct Stats {
     pub read_waits: AtomicU64,
     /// Bytes read by users through opens that bypass the kernel's page cache.
     pub direct_read_bytes: AtomicU64,
-    /// Such opens not yet released (a gauge).
-    pub direct_handles: AtomicU64,
     /// Bytes of file data shared by clone or copy_file_range instead of copied.
     pub cloned_bytes: AtomicU64,
     /// Bytes of tree nodes written to the device.
@@ -86,7 +84,7 @@ impl Stats {
             readahead_async: g(&self.readahead_async),
             read_waits: g(&self.read_waits),
             direct_read_bytes: g(&self.direct_read_bytes),
-            direct_handles: g(&self.direct_handles),
+            direct_handles: 0,
             cloned_bytes: g(&self.cloned_bytes),
             cache_bytes: 0,
             cache_dirty_bytes: 0,
@@ -134,7 +132,8 @@ pub struct StatsSnapshot {
     pub read_waits: u64,
     /// See [`Stats::direct_read_bytes`].
     pub direct_read_bytes: u64,
-    /// See [`Stats::direct_handles`].
+    /// Open handles that bypass the kernel's page cache now (a gauge, filled in by
+    /// the FUSE server).
     pub direct_handles: u64,
     /// See [`Stats::cloned_bytes`].
     pub cloned_bytes: u64,

@@ -505,21 +505,6 @@ impl Fs {
         crate::stats::Stats::add(&self.stats.direct_read_bytes, bytes);
     }
 
-    /// Counts an open (`true`) or a release (`false`) of a handle that bypasses the
-    /// kernel's page cache.
-    pub fn count_direct_handle(&self, opened: bool) {
-        let c = &self.stats.direct_handles;
-        if opened {
-            crate::stats::Stats::add(c, 1);
-        } else {
-            let _ = c.fetch_update(
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-                |n| n.checked_sub(1),
-            );
-        }
-    }
-
     /// Counts a FUSE request that came through an io_uring queue.
     pub fn count_uring_request(&self) {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);

@@ -45,6 +45,11 @@ const SMALL_READ: u64 = 128 << 10;
 /// Scattered reads after which a file's later opens use the kernel's cache.
 const SCATTERED_MAX: u32 = 16;
 
+/// Whether an open with `flags` may change the file (for writing, or truncating).
+pub(crate) fn opens_to_write(flags: i32) -> bool {
+    flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0
+}
+
 /// How a file's opens read, once none of its handles is open.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
@@ -132,13 +137,14 @@ impl DirectReads {
         let Some(min) = self.min_size.filter(|_| self.enabled()) else {
             return 0;
         };
-        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        // Such an open leaves the file's pages in the kernel's cache.
+        let caches = opens_to_write(flags) || flags & FMODE_EXEC != 0;
         let mut files = self.files.lock();
         let e = files.entry(ino).or_insert_with(Entry::new);
         e.large |= size >= min;
         let direct = if e.direct > 0 {
             true
-        } else if e.cached > 0 || writes || flags & FMODE_EXEC != 0 {
+        } else if e.cached > 0 || caches {
             false
         } else {
             match &mut e.mode {
@@ -159,7 +165,7 @@ impl DirectReads {
                 }
             }
         };
-        if writes || flags & FMODE_EXEC != 0 || !direct && e.mode != Mode::Fresh {
+        if caches || !direct && e.mode != Mode::Fresh {
             // Its pages may sit in the kernel's cache from now on.
             e.mode = Mode::Cached;
         } else if direct && e.mode == Mode::Fresh {
@@ -229,6 +235,15 @@ impl DirectReads {
             }
             *next = offset + len;
         }
+    }
+
+    /// Handles open now that read past the kernel's cache.
+    pub(crate) fn open_direct(&self) -> u64 {
+        self.files
+            .lock()
+            .values()
+            .map(|e| u64::from(e.direct))
+            .sum()
     }
 
     /// Drops what is known of `ino` (the kernel forgot it, and its cached pages).
@@ -348,6 +363,7 @@ mod tests {
         assert_eq!(r, DIRECT_FH);
         let w = d.open(1, libc::O_RDWR, 100 * MB);
         assert_eq!(w, DIRECT_FH, "writer beside a direct reader");
+        assert_eq!(d.open_direct(), 2);
         d.release(1, r);
         assert_eq!(
             d.open(1, RO, 100 * MB),

@@ -23,7 +23,7 @@ use super::answer::{
     done, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty, AnswerEntry,
     AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
 };
-use super::direct::{DirectReads, DIRECT_FH};
+use super::direct::{opens_to_write, DirectReads, DIRECT_FH};
 use super::group::{FsyncQueue, PendingFsync, Preparing};
 use crate::error::Error;
 use crate::fs::{
@@ -530,8 +530,7 @@ impl FuseFs {
 
     pub(crate) fn open(&self, nodeid: u64, flags: i32, reply: impl AnswerOpen) {
         let ino = to_ino(nodeid);
-        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
-        if writes && is_snapshot_ino(ino) {
+        if opens_to_write(flags) && is_snapshot_ino(ino) {
             return reply.error(err(libc::EROFS));
         }
         match self.fs.open_ino(ino) {
@@ -540,13 +539,10 @@ impl FuseFs {
                 reply.error(err(libc::EISDIR))
             }
             Ok(a) if a.kind == FileKind::File => match self.direct.open(a.ino, flags, a.size) {
-                DIRECT_FH => {
-                    self.fs.count_direct_handle(true);
-                    reply.opened(
-                        FileHandle(DIRECT_FH),
-                        FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
-                    )
-                }
+                DIRECT_FH => reply.opened(
+                    FileHandle(DIRECT_FH),
+                    FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
+                ),
                 fh => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
             },
             Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
@@ -616,9 +612,6 @@ impl FuseFs {
 
     pub(crate) fn release(&self, nodeid: u64, fh: u64, reply: impl AnswerEmpty) {
         self.direct.release(to_ino(nodeid), fh);
-        if fh == DIRECT_FH {
-            self.fs.count_direct_handle(false);
-        }
         empty(self.fs.release(to_ino(nodeid)), reply)
     }
 
@@ -724,7 +717,9 @@ impl FuseFs {
     pub(crate) fn getxattr(&self, nodeid: u64, name: &[u8], size: u32, reply: impl AnswerXattr) {
         let ino = to_ino(nodeid);
         let r = if nodeid == 1 && name == STATS_XATTR.as_bytes() {
-            Ok(self.fs.stats().to_json().into_bytes())
+            let mut s = self.fs.stats();
+            s.direct_handles = self.direct.open_direct();
+            Ok(s.to_json().into_bytes())
         } else if nodeid == 1 && name == SPACE_XATTR.as_bytes() {
             self.fs.space_usage().map(|u| u.to_json().into_bytes())
         } else if name == SNAPSHOT_XATTR.as_bytes() && is_snapshot_ino(ino) {
