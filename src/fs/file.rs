@@ -528,9 +528,8 @@ impl Inner {
     pub(crate) fn truncate(&mut self, ino: u64, i: &mut InodeItem, size: u64) -> Result<()> {
         let old = i.size.get();
         if size < old {
-            let keep = round_up(size);
-            let dropped = self.drop_range(ino, keep, u64::MAX >> 1)?;
-            i.nbytes = i.nbytes.get().saturating_sub(dropped).into();
+            // The last block's copy first: it is the step that can find no room, and
+            // failing before anything changed lets the caller commit and retry.
             if size % BS != 0 {
                 let bstart = size / BS * BS;
                 let mut block = self.read_range(ino, bstart, bstart + BS)?;
@@ -539,9 +538,39 @@ impl Inner {
                     self.write_blocks(ino, i, bstart, &block)?;
                 }
             }
+            let keep = round_up(size);
+            let dropped = self.drop_range(ino, keep, u64::MAX >> 1)?;
+            i.nbytes = i.nbytes.get().saturating_sub(dropped).into();
         }
         i.size = size.into();
         i.ctime = Timespec::now();
+        Ok(())
+    }
+
+    /// Maps newly allocated, preallocated (unwritten) extents over `holes` of `ino`,
+    /// counting each in `i.nbytes` as it goes in.
+    fn prealloc_holes(&mut self, ino: u64, i: &mut InodeItem, holes: &[(u64, u64)]) -> Result<()> {
+        for &(mut s, e) in holes {
+            while s < e {
+                let (addr, got) = self.store.alloc_data((e - s).min(MAX_EXTENT_SIZE))?;
+                let fe = FileExtent {
+                    generation: self.store.generation.into(),
+                    kind: FILE_EXTENT_PREALLOC,
+                    pad: [0; 7],
+                    disk_bytenr: addr.into(),
+                    disk_len: got.into(),
+                    offset: 0.into(),
+                    num_bytes: got.into(),
+                };
+                if let Err(err) = self.put_extent(ino, s, &fe) {
+                    self.release_space(&[(addr, got)]);
+                    return Err(err);
+                }
+                self.store.data_ref(addr, got, 1);
+                i.nbytes = (i.nbytes.get() + got).into();
+                s += got;
+            }
+        }
         Ok(())
     }
 
@@ -611,23 +640,16 @@ impl Inner {
             if !self.store.alloc.has_room(need) {
                 return Err(Error::NoSpace);
             }
-            for (mut s, e) in holes {
-                while s < e {
-                    let (addr, got) = self.store.alloc_data((e - s).min(MAX_EXTENT_SIZE))?;
-                    let fe = FileExtent {
-                        generation: self.store.generation.into(),
-                        kind: FILE_EXTENT_PREALLOC,
-                        pad: [0; 7],
-                        disk_bytenr: addr.into(),
-                        disk_len: got.into(),
-                        offset: 0.into(),
-                        num_bytes: got.into(),
-                    };
-                    self.put_extent(ino, s, &fe)?;
-                    self.store.data_ref(addr, got, 1);
-                    i.nbytes = (i.nbytes.get() + got).into();
-                    s += got;
-                }
+            // The tree's growth under this loop can take the room checked above. The
+            // extents made before an allocation fails stay (preallocated, as on ext4)
+            // and the inode counts them, so that a retry after a commit (which sees
+            // them as no longer holes) leaves nbytes right.
+            let filled = self.prealloc_holes(ino, &mut i, &holes);
+            if filled.is_err() {
+                i.ctime = now;
+                self.put_inode(ino, &mut i)?;
+                self.store.log.mark_data(ino);
+                return filled;
             }
             if !mode.keep_size && end > i.size.get() {
                 i.size = end.into();
