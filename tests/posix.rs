@@ -185,6 +185,33 @@ fn open_error_cases() {
     m.unmount();
 }
 
+/// ioctls birchfs does not have (lsattr's FS_IOC_GETFLAGS) fail with ENOTTY, as on a
+/// kernel filesystem without them, and quietly: no warning in the log per call.
+#[test]
+fn unknown_ioctls_fail_with_enotty_and_are_not_logged() {
+    let mut m = Mount::unmounted("2G");
+    m.log_to_file();
+    m.mount();
+    let p = m.path("f");
+    File::create(&p).unwrap();
+    let f = File::open(&p).unwrap();
+    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
+    for _ in 0..20 {
+        let mut flags: libc::c_long = 0;
+        // SAFETY: FS_IOC_GETFLAGS writes one long into `flags`.
+        let rc = unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_GETFLAGS, &mut flags) };
+        assert_eq!(rc, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENOTTY)
+        );
+    }
+    drop(f);
+    let log = m.daemon_log();
+    assert!(!log.contains("ioctl"), "ioctls were logged:\n{log}");
+    m.unmount();
+}
+
 #[test]
 fn fsync_and_fdatasync_on_files_and_directories() {
     let mut m = Mount::new();

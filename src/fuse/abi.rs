@@ -52,6 +52,7 @@ pub(crate) const FSYNCDIR: u32 = 30;
 pub(crate) const ACCESS: u32 = 34;
 pub(crate) const CREATE: u32 = 35;
 pub(crate) const DESTROY: u32 = 38;
+pub(crate) const IOCTL: u32 = 39;
 pub(crate) const BATCH_FORGET: u32 = 42;
 pub(crate) const FALLOCATE: u32 = 43;
 pub(crate) const READDIRPLUS: u32 = 44;

@@ -9,10 +9,10 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    AccessFlags, CopyFileRangeFlags, FileHandle, Filesystem, INodeNo, InitFlags, KernelConfig,
-    LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, TimeOrNow, WriteFlags,
+    AccessFlags, CopyFileRangeFlags, Errno, FileHandle, Filesystem, INodeNo, InitFlags, IoctlFlags,
+    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs,
+    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use super::ops::{Caller, FuseFs, SetAttrIn};
@@ -376,6 +376,24 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         FuseFs::fallocate(self, &caller(req), ino.0, offset, length, mode, reply)
+    }
+
+    /// No ioctls of its own: ENOTTY, what a kernel filesystem answers for a command it
+    /// does not know (fuser's default answers ENOSYS and logs a warning per call, which
+    /// a tool that probes ioctls, like lsattr or fsstress, turns into a flood).
+    fn ioctl(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        tracing::debug!("ioctl {cmd:#x} on inode {}: not supported", ino.0);
+        reply.error(Errno::ENOTTY);
     }
 
     fn copy_file_range(

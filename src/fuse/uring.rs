@@ -724,6 +724,9 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
             let (off_in, out, off_out) = (op.u64(8), op.u64(16), op.u64(32));
             fs.copy_file_range(c, n, off_in, out, off_out, op.u64(40), op.u64(48), r)
         }
+        // No ioctls of its own (FICLONE and friends never reach a FUSE server):
+        // ENOTTY, what a kernel filesystem answers for a command it does not know.
+        abi::IOCTL => r.error(err(libc::ENOTTY)),
         abi::FORGET | abi::BATCH_FORGET => {
             // The kernel sends these through /dev/fuse; a forget has no answer.
             tracing::warn!("FUSE io_uring: unexpected forget request");

@@ -271,6 +271,8 @@ pub struct Mount {
     loop_dev: Option<PathBuf>,
     /// Environment variables the daemon gets (test hooks).
     daemon_env: Vec<(String, String)>,
+    /// Whether later mounts log to `daemon.log` (`--log`) instead of nowhere.
+    log: bool,
 }
 
 impl Mount {
@@ -330,6 +332,7 @@ impl Mount {
             attempts: 0,
             loop_dev: None,
             daemon_env: Vec::new(),
+            log: false,
         }
     }
 
@@ -418,6 +421,17 @@ impl Mount {
         run(&mut cmd, CHECK_TIMEOUT)
     }
 
+    /// Makes later mounts log to a file (`--log`), read back by [`Mount::daemon_log`].
+    pub fn log_to_file(&mut self) {
+        self.log = true;
+    }
+
+    /// What the daemons logged so far (see [`Mount::log_to_file`]).
+    pub fn daemon_log(&self) -> String {
+        String::from_utf8_lossy(&fs::read(self.base.join("daemon.log")).unwrap_or_default())
+            .into_owned()
+    }
+
     fn latest_log_tail(&self) -> String {
         if self.attempts == 0 {
             return String::from("<no mount attempted>");
@@ -445,6 +459,9 @@ impl Mount {
         let err_file = File::create(&err_path).expect("create mount log");
         let mut cmd = Command::new(BIN);
         cmd.arg("mount");
+        if self.log {
+            cmd.arg("--log").arg(self.base.join("daemon.log"));
+        }
         cmd.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
         let mut opts: Vec<&str> = opts.to_vec();
         let extra = extra_mount_options();
