@@ -372,3 +372,76 @@ fn sixteen_threads_of_mixed_work_then_check_and_model_agree() {
     }
     m.unmount();
 }
+
+/// Pages of `len` bytes at `off` of the block device `path` that are in the kernel's
+/// cache of it.
+fn resident_pages(path: &std::path::Path, off: u64, len: usize) -> usize {
+    use std::os::unix::io::AsRawFd;
+    let f = File::open(path).unwrap();
+    // SAFETY: a shared read-only mapping of `len` bytes of an open file; only its
+    // residency is asked, nothing is read through it, and it is unmapped below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            off as libc::off_t,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of {}", path.display());
+    let mut v = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: `p` maps `len` bytes; `v` has a byte per page.
+    let rc = unsafe { libc::mincore(p, len, v.as_mut_ptr()) };
+    // SAFETY: unmaps what was mapped above.
+    unsafe { libc::munmap(p, len) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    v.iter().filter(|&&b| b & 1 != 0).count()
+}
+
+/// On a block device, reads never fill the kernel's cache of the device: an io_uring
+/// direct write to a block device does not drop pages that a buffered read's readahead
+/// brought in meanwhile, and four concurrent fsx runs then read stale blocks (checksum
+/// mismatches) and got EIO from fdatasync.
+#[test]
+fn reads_of_a_block_device_leave_its_page_cache_empty() {
+    use birchfs::dev::{BlockDev, FileDev};
+    let mut m = Mount::on_loop_device("256M");
+    m.unmount();
+    let path = m.image().to_path_buf();
+    let dev = FileDev::open(&path, true).unwrap();
+    let at: u64 = 128 << 20;
+    let len = 1 << 20;
+    let data: Vec<u8> = (0..len).map(|i| (i / 4096) as u8 ^ 0x5a).collect();
+    dev.write_many(&[(&data[..], at)]).unwrap();
+    {
+        // Drop whatever of the range is cached (none should be: that write went direct).
+        use std::os::unix::io::AsRawFd;
+        let f = File::open(&path).unwrap();
+        // SAFETY: an advice on an open file.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), at as i64, len as i64, 4) };
+    }
+    assert_eq!(resident_pages(&path, at, len), 0);
+    // A node-sized read, a block-sized one and a batch of small pieces.
+    let mut node = vec![0u8; 16 << 10];
+    dev.read_at(&mut node, at + (64 << 10)).unwrap();
+    assert_eq!(node[..], data[64 << 10..80 << 10]);
+    let mut block = vec![0u8; 4096];
+    dev.read_at(&mut block, at + (256 << 10)).unwrap();
+    assert_eq!(block[..], data[256 << 10..(256 << 10) + 4096]);
+    let (mut a, mut b) = (vec![0u8; 8192], vec![0u8; 4096]);
+    dev.read_many(&mut [
+        (&mut a[..], at + (512 << 10)),
+        (&mut b[..], at + (768 << 10)),
+    ])
+    .unwrap();
+    assert_eq!(a[..], data[512 << 10..(512 << 10) + 8192]);
+    assert_eq!(b[..], data[768 << 10..(768 << 10) + 4096]);
+    assert_eq!(
+        resident_pages(&path, at, len),
+        0,
+        "reads of the block device went through its page cache"
+    );
+    drop(dev);
+}

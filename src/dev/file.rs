@@ -10,7 +10,17 @@
 //!
 //! A block device is different: copying into its page cache costs more than the write
 //! (buffered 64 KiB writes to a loop device ran at 0.4 of the speed of the same writes
-//! to a file on the host), so there every aligned write goes direct. Direct writes
+//! to a file on the host), so there a batch of aligned writes goes direct from 64 KiB
+//! on, and every aligned read goes direct, so that reads never fill the kernel's cache
+//! of the device. That cache does not stay coherent beside direct writes: an
+//! asynchronous (io_uring) direct write to a block device does not drop the cached
+//! pages that a buffered read's readahead brought in while it was in flight, so a later
+//! buffered read of those blocks returned their old contents (checksum mismatches under
+//! four concurrent fsx runs), and a synchronous one whose cached pages were busy set an
+//! error that the next fdatasync returned (EIO; "Page cache invalidation failure on
+//! direct I/O" in the kernel log). Small writes stay buffered (an fsync's few blocks go
+//! out with its flush); only their own blocks are cached, and no direct write meets
+//! them (a freed block is reused only after the commit's flush wrote it). Direct writes
 //! wait for the device, so a batch of them (`write_many`: the runs of one writeback,
 //! the nodes of one commit) is submitted at once through an io_uring and waited for
 //! together, falling back to one at a time where io_uring is not available. On an
@@ -35,9 +45,15 @@ pub struct FileDev {
     /// The same file opened with O_DIRECT, where the host filesystem allows it.
     direct: Option<File>,
     size: u64,
+    /// A single write at least this large (and aligned) goes direct.
+    single_direct: usize,
+    /// The same for a read.
+    single_read_direct: usize,
     /// A `write_many` batch whose aligned writes add up to at least this sends them
     /// all direct, together.
     batch_direct: usize,
+    /// The same for a `read_many` batch.
+    read_batch_direct: usize,
 }
 
 /// Writes to an image file at least this large (and aligned) bypass the host page cache.
@@ -106,11 +122,7 @@ impl FileDev {
             return Err(e);
         }
         let size = file.seek(SeekFrom::End(0))?;
-        let batch_direct = if file.metadata()?.file_type().is_block_device() {
-            BATCH_DIRECT_BDEV
-        } else {
-            BATCH_DIRECT_FILE
-        };
+        let bdev = file.metadata()?.file_type().is_block_device();
         let direct = if writable {
             use std::os::unix::fs::OpenOptionsExt;
             OpenOptions::new()
@@ -122,19 +134,33 @@ impl FileDev {
         } else {
             None
         };
+        // On a block device every aligned read goes direct (see the module's notes).
+        let (batch_direct, single_read_direct, read_batch_direct) = if bdev {
+            (BATCH_DIRECT_BDEV, DIRECT_ALIGN, 0)
+        } else {
+            (BATCH_DIRECT_FILE, DIRECT_MIN, DIRECT_MIN)
+        };
         Ok(FileDev {
             file,
             direct,
             size,
+            single_direct: DIRECT_MIN,
+            single_read_direct,
             batch_direct,
+            read_batch_direct,
         })
     }
 
     /// The O_DIRECT file, if `len` bytes at `off` should go through it.
-    fn direct_for(&self, len: usize, off: u64) -> Option<&File> {
+    fn direct_for(&self, len: usize, off: u64, read: bool) -> Option<&File> {
+        let min = if read {
+            self.single_read_direct
+        } else {
+            self.single_direct
+        };
         self.direct
             .as_ref()
-            .filter(|_| len >= DIRECT_MIN && aligned(len, off))
+            .filter(|_| len >= min && aligned(len, off))
     }
 
     /// Reads `buf` at `off` with O_DIRECT (into `buf` itself when it is aligned).
@@ -323,7 +349,7 @@ fn finish_short(d: &File, plain: &File, op: RingOp, n: usize, read: bool) -> io:
 
 impl BlockDev for FileDev {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
-        if let Some(d) = self.direct_for(buf.len(), off) {
+        if let Some(d) = self.direct_for(buf.len(), off, true) {
             return Self::read_direct(d, buf, off);
         }
         self.file.read_exact_at(buf, off)
@@ -332,7 +358,7 @@ impl BlockDev for FileDev {
         if off + buf.len() as u64 > self.size {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
-        if let Some(d) = self.direct_for(buf.len(), off) {
+        if let Some(d) = self.direct_for(buf.len(), off, false) {
             return Self::write_direct(d, buf, off);
         }
         self.file.write_all_at(buf, off)
@@ -383,7 +409,10 @@ impl BlockDev for FileDev {
         // Large aligned reads into aligned buffers go direct, in flight together; the
         // rest one at a time. A batch of aligned reads that is large as a whole (a
         // readahead window read straight into its folios) goes direct piece by piece.
-        let min = direct_min(reads.iter().map(|(b, off)| (&**b, *off)), DIRECT_MIN);
+        let min = direct_min(
+            reads.iter().map(|(b, off)| (&**b, *off)),
+            self.read_batch_direct,
+        );
         let mut ops: Vec<RingOp> = Vec::new();
         for (buf, off) in reads.iter_mut() {
             let ringable = self.direct.is_some() && buf.len() >= min && direct_ok(buf, *off);
