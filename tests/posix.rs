@@ -186,9 +186,10 @@ fn open_error_cases() {
 }
 
 /// ioctls birchfs does not have (lsattr's FS_IOC_GETFLAGS) fail with ENOTTY, as on a
-/// kernel filesystem without them, and quietly: no warning in the log per call.
+/// kernel filesystem without them, and poll() finds a file ready; quietly: no warning
+/// in the log per call.
 #[test]
-fn unknown_ioctls_fail_with_enotty_and_are_not_logged() {
+fn unknown_ioctls_and_poll_answer_as_a_kernel_filesystem_and_are_not_logged() {
     let mut m = Mount::unmounted("2G");
     m.log_to_file();
     m.mount();
@@ -206,9 +207,21 @@ fn unknown_ioctls_fail_with_enotty_and_are_not_logged() {
             Some(libc::ENOTTY)
         );
     }
+    // poll(): ready at once, as a regular file on a kernel filesystem, and not logged.
+    let mut pfd = libc::pollfd {
+        fd: f.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    for _ in 0..3 {
+        // SAFETY: one valid pollfd.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 1000) }, 1);
+        assert_ne!(pfd.revents & libc::POLLIN, 0);
+    }
     drop(f);
     let log = m.daemon_log();
     assert!(!log.contains("ioctl"), "ioctls were logged:\n{log}");
+    assert!(!log.contains("poll"), "a poll was logged:\n{log}");
     m.unmount();
 }
 

@@ -10,9 +10,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     AccessFlags, CopyFileRangeFlags, Errno, FileHandle, Filesystem, INodeNo, InitFlags, IoctlFlags,
-    KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    KernelConfig, LockOwner, OpenFlags, PollEvents, PollFlags, PollNotifier, RenameFlags,
+    ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyIoctl, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    WriteFlags,
 };
 
 use super::ops::{Caller, FuseFs, SetAttrIn};
@@ -394,6 +395,22 @@ impl Filesystem for FuseFs {
     ) {
         tracing::debug!("ioctl {cmd:#x} on inode {}: not supported", ino.0);
         reply.error(Errno::ENOTTY);
+    }
+
+    /// No poll of its own: ENOSYS, after which the kernel stops asking and treats
+    /// every file as always ready, as it does a regular file on a kernel filesystem
+    /// (fuser's default also logs a warning).
+    fn poll(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _ph: PollNotifier,
+        _events: PollEvents,
+        _flags: PollFlags,
+        reply: ReplyPoll,
+    ) {
+        reply.error(Errno::ENOSYS);
     }
 
     fn copy_file_range(
