@@ -354,6 +354,20 @@ impl Inner {
         }
     }
 
+    /// A file extent of `kind` that maps all `len` bytes of new space at `addr`, made
+    /// in this transaction.
+    fn whole_extent(&self, kind: u8, addr: u64, len: u64) -> FileExtent {
+        FileExtent {
+            generation: self.store.generation.into(),
+            kind,
+            pad: [0; 7],
+            disk_bytenr: addr.into(),
+            disk_len: len.into(),
+            offset: 0.into(),
+            num_bytes: len.into(),
+        }
+    }
+
     /// Maps `space` (already holding the data, with `sums` per extent) at
     /// block-aligned `off`, replacing what was there.
     fn map_blocks(
@@ -370,15 +384,7 @@ impl Inner {
         let mut pos = off;
         for (&(addr, got), sums) in space.iter().zip(sums) {
             self.store.insert(tree::CSUM, csum_key(addr), sums)?;
-            let fe = FileExtent {
-                generation: self.store.generation.into(),
-                kind: FILE_EXTENT_REG,
-                pad: [0; 7],
-                disk_bytenr: addr.into(),
-                disk_len: got.into(),
-                offset: 0.into(),
-                num_bytes: got.into(),
-            };
+            let fe = self.whole_extent(FILE_EXTENT_REG, addr, got);
             self.put_extent(ino, pos, &fe)?;
             self.store.data_ref(addr, got, 1);
             nbytes += got;
@@ -553,15 +559,7 @@ impl Inner {
         for &(mut s, e) in holes {
             while s < e {
                 let (addr, got) = self.store.alloc_data((e - s).min(MAX_EXTENT_SIZE))?;
-                let fe = FileExtent {
-                    generation: self.store.generation.into(),
-                    kind: FILE_EXTENT_PREALLOC,
-                    pad: [0; 7],
-                    disk_bytenr: addr.into(),
-                    disk_len: got.into(),
-                    offset: 0.into(),
-                    num_bytes: got.into(),
-                };
+                let fe = self.whole_extent(FILE_EXTENT_PREALLOC, addr, got);
                 if let Err(err) = self.put_extent(ino, s, &fe) {
                     self.release_space(&[(addr, got)]);
                     return Err(err);
