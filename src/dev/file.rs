@@ -45,15 +45,11 @@ pub struct FileDev {
     /// The same file opened with O_DIRECT, where the host filesystem allows it.
     direct: Option<File>,
     size: u64,
-    /// A single write at least this large (and aligned) goes direct.
-    single_direct: usize,
-    /// The same for a read.
-    single_read_direct: usize,
     /// A `write_many` batch whose aligned writes add up to at least this sends them
     /// all direct, together.
     batch_direct: usize,
-    /// The same for a `read_many` batch.
-    read_batch_direct: usize,
+    /// Whether every aligned read goes direct (a block device), not only large ones.
+    reads_direct: bool,
 }
 
 /// Writes to an image file at least this large (and aligned) bypass the host page cache.
@@ -134,29 +130,26 @@ impl FileDev {
         } else {
             None
         };
-        // On a block device every aligned read goes direct (see the module's notes).
-        let (batch_direct, single_read_direct, read_batch_direct) = if bdev {
-            (BATCH_DIRECT_BDEV, DIRECT_ALIGN, 0)
-        } else {
-            (BATCH_DIRECT_FILE, DIRECT_MIN, DIRECT_MIN)
-        };
         Ok(FileDev {
             file,
             direct,
             size,
-            single_direct: DIRECT_MIN,
-            single_read_direct,
-            batch_direct,
-            read_batch_direct,
+            batch_direct: if bdev {
+                BATCH_DIRECT_BDEV
+            } else {
+                BATCH_DIRECT_FILE
+            },
+            // On a block device every aligned read goes direct (see the module's notes).
+            reads_direct: bdev,
         })
     }
 
     /// The O_DIRECT file, if `len` bytes at `off` should go through it.
     fn direct_for(&self, len: usize, off: u64, read: bool) -> Option<&File> {
-        let min = if read {
-            self.single_read_direct
+        let min = if read && self.reads_direct {
+            DIRECT_ALIGN
         } else {
-            self.single_direct
+            DIRECT_MIN
         };
         self.direct
             .as_ref()
@@ -409,10 +402,8 @@ impl BlockDev for FileDev {
         // Large aligned reads into aligned buffers go direct, in flight together; the
         // rest one at a time. A batch of aligned reads that is large as a whole (a
         // readahead window read straight into its folios) goes direct piece by piece.
-        let min = direct_min(
-            reads.iter().map(|(b, off)| (&**b, *off)),
-            self.read_batch_direct,
-        );
+        let batch = if self.reads_direct { 0 } else { DIRECT_MIN };
+        let min = direct_min(reads.iter().map(|(b, off)| (&**b, *off)), batch);
         let mut ops: Vec<RingOp> = Vec::new();
         for (buf, off) in reads.iter_mut() {
             let ringable = self.direct.is_some() && buf.len() >= min && direct_ok(buf, *off);
