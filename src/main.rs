@@ -48,7 +48,7 @@ enum Cmd {
     },
     /// Mount IMAGE on MOUNTPOINT through FUSE
     Mount {
-        /// Options: commit=SECONDS, ro
+        /// Comma-separated mount options (see the README), e.g. cache_size=1G,nosuid
         #[arg(short = 'o', value_delimiter = ',')]
         options: Vec<String>,
         /// Stay in the foreground until unmounted
@@ -344,6 +344,37 @@ struct MountOpts {
     /// Smallest file whose read-only opens bypass the kernel's page cache (`None`:
     /// never); unset means the cache size.
     direct_read: Option<Option<u64>>,
+    /// The generic mount flags asked for (nosuid, nodev, noexec, noatime, sync).
+    vfs: VfsFlags,
+}
+
+/// Generic mount flags, which the kernel enforces on the mount.
+#[derive(Default)]
+struct VfsFlags {
+    nosuid: bool,
+    nodev: bool,
+    noexec: bool,
+    noatime: bool,
+    sync: bool,
+}
+
+impl VfsFlags {
+    /// The flags as fuser mount options; set-id and device files work only for root.
+    fn mount_options(&self, root: bool) -> Vec<fuser::MountOption> {
+        use fuser::MountOption as M;
+        let mut v = vec![if self.noexec { M::NoExec } else { M::Exec }];
+        if root {
+            v.push(if self.nosuid { M::NoSuid } else { M::Suid });
+            v.push(if self.nodev { M::NoDev } else { M::Dev });
+        }
+        if self.noatime {
+            v.push(M::NoAtime);
+        }
+        if self.sync {
+            v.push(M::Sync);
+        }
+        v
+    }
 }
 
 impl MountOpts {
@@ -376,6 +407,16 @@ fn default_threads() -> usize {
         .clamp(2, 16)
 }
 
+/// The error for a mount option birchfs does not know.
+fn unknown_option(opt: &str) -> String {
+    format!(
+        "unknown mount option '{opt}' (known: commit=SECONDS, cache_size=SIZE, \
+         folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, threads=N, \
+         fsync_gather=on|off, direct_read=SIZE|off, uring=auto|on|off, uring_threads=N, \
+         uring_depth=N, ro, rw, nosuid, nodev, noexec, noatime, sync, defaults)"
+    )
+}
+
 fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
     let mut o = MountOpts {
         fs: Options::default(),
@@ -384,6 +425,7 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
         ring: Default::default(),
         gather: true,
         direct_read: None,
+        vfs: VfsFlags::default(),
     };
     let count = |opt: &str, v: &str, max: usize| {
         v.parse()
@@ -431,12 +473,29 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             }
             None if opt == "ro" => o.fs.readonly = true,
             None if opt == "rw" => o.fs.readonly = false,
-            _ => bail!(
-                "unknown mount option '{opt}' (known: commit=SECONDS, cache_size=SIZE, \
-                 folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, threads=N, \
-                 fsync_gather=on|off, direct_read=SIZE|off, uring=auto|on|off, uring_threads=N, \
-                 uring_depth=N, ro, rw)"
-            ),
+            None => match opt.as_str() {
+                "nosuid" => o.vfs.nosuid = true,
+                "suid" => o.vfs.nosuid = false,
+                "nodev" => o.vfs.nodev = true,
+                "dev" => o.vfs.nodev = false,
+                "noexec" => o.vfs.noexec = true,
+                "exec" => o.vfs.noexec = false,
+                // birchfs never updates access times on its own: noatime is what it
+                // does anyway, and the kernel then leaves them alone too.
+                "noatime" | "nodiratime" => o.vfs.noatime = true,
+                "sync" => o.vfs.sync = true,
+                "async" => o.vfs.sync = false,
+                "defaults" => {}
+                "atime" | "relatime" | "strictatime" | "diratime" | "lazytime" => bail!(
+                    "mount option '{opt}': birchfs does not update access times on reads \
+                     (it behaves as noatime)"
+                ),
+                "dirsync" => {
+                    bail!("mount option 'dirsync' is not supported: fsync the directory instead")
+                }
+                _ => bail!(unknown_option(opt)),
+            },
+            _ => bail!(unknown_option(opt)),
         }
     }
     o.fs.cache.validate().map_err(|e| anyhow!("{e}"))?;
@@ -570,11 +629,11 @@ fn mount_serve(
         cfg.mount_options.push(fuser::MountOption::RO);
     }
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
+    let root = unsafe { libc::geteuid() } == 0;
+    if root {
         cfg.acl = fuser::SessionACL::All;
-        cfg.mount_options.push(fuser::MountOption::Dev);
-        cfg.mount_options.push(fuser::MountOption::Suid);
     }
+    cfg.mount_options.extend(mo.vfs.mount_options(root));
     cfg.n_threads = Some(mo.threads);
     cfg.clone_fd = true;
     let mut ffs = FuseFs::new(fs.clone());
@@ -590,6 +649,7 @@ fn mount_serve(
     let served = ffs.clone();
     let mut session = fuser::Session::new(ffs, mountpoint, &cfg)
         .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
+    served.set_notifier(session.notifier());
     let rings = if served.uring_agreed() {
         let (rings, r) = uring::Rings::start(&served, session.as_fd(), mo.ring);
         match r {

@@ -1243,6 +1243,54 @@ fn write_by_unprivileged_user_clears_setuid() {
 // permissions (kernel checks through default_permissions)
 // ---------------------------------------------------------------------------
 
+/// A direct write by a caller without CAP_FSETID clears the set-id bits, and the
+/// kernel sees the new mode at once (it decides set-id at exec on its cached mode).
+#[test]
+fn direct_write_by_unprivileged_user_clears_setuid_at_once() {
+    let mut m = Mount::new();
+    let f = m.path("suid");
+    fs::write(&f, vec![7u8; 8192]).unwrap();
+    // (S_ISGID without group execute marks mandatory locking and stays.)
+    for (mode, want) in [
+        (0o6777, 0o777),
+        (0o4777, 0o777),
+        (0o2777, 0o777),
+        (0o2767, 0o2767),
+    ] {
+        chmod(&f, mode).unwrap();
+        assert_eq!(perm(stat(&f).mode()), mode);
+        // In a process of its own (the kernel reads set-id from the inode it caches).
+        let out = m.as_user(
+            NOBODY,
+            NOGROUP,
+            "dd if=/dev/zero of=suid bs=4096 count=1 seek=2 oflag=direct conv=notrunc status=none",
+        );
+        assert!(
+            out.status.success(),
+            "direct write of {mode:o}: {}",
+            describe(&out)
+        );
+        // stat(1) asks for the basic fields only, which the kernel answers from its
+        // cache (std's metadata asks for the birth time too, which goes to the daemon).
+        let out = run(
+            Command::new("stat").args(["-c", "%a"]).arg(&f),
+            SHELL_TIMEOUT,
+        );
+        let shown = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        assert_eq!(
+            shown,
+            format!("{want:o}"),
+            "mode {mode:o} after a direct write"
+        );
+        assert_eq!(
+            perm(stat(&f).mode()),
+            want,
+            "mode {mode:o} after a direct write"
+        );
+    }
+    m.unmount();
+}
+
 /// With FUSE_HANDLE_KILLPRIV_V2 the kernel leaves clearing set-id bits to the
 /// filesystem for truncate, fallocate and copy_file_range too: a caller without
 /// CAP_FSETID loses them, root keeps them, a directory or a mode without group
@@ -2320,9 +2368,170 @@ fn unlinked_open_file_stays_usable_and_space_is_reclaimed() {
     m.unmount();
 }
 
+/// The generic mount flags reach the kernel and are enforced there; options birchfs
+/// would not honour are refused with a reason.
+#[test]
+fn generic_mount_flags_are_applied_and_unsupported_ones_refused() {
+    let mut m = Mount::unmounted("1G");
+    for (opt, says) in [
+        ("relatime", "access times"),
+        ("strictatime", "access times"),
+        ("dirsync", "dirsync"),
+        ("nosuchflag", "unknown mount option"),
+    ] {
+        let out = m.try_mount(&[opt]);
+        assert!(!out.status.success(), "{opt} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{opt}: {err}");
+        assert!(!m.is_mounted());
+    }
+    m.mount_with(&["defaults", "nosuid", "nodev", "noexec", "noatime"]);
+    let cpath = std::ffi::CString::new(m.root().as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid path and a statvfs owned by this frame.
+    let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(cpath.as_ptr(), &mut sv) }, 0);
+    for (flag, name) in [
+        (libc::ST_NOSUID, "nosuid"),
+        (libc::ST_NODEV, "nodev"),
+        (libc::ST_NOEXEC, "noexec"),
+        (libc::ST_NOATIME, "noatime"),
+    ] {
+        assert_ne!(sv.f_flag & flag, 0, "{name} not on the mount");
+    }
+    // noexec is the kernel's to enforce: a script with x bits does not run.
+    let script = m.path("run.sh");
+    fs::write(&script, b"#!/bin/sh\nexit 0\n").unwrap();
+    chmod(&script, 0o755).unwrap();
+    let e = Command::new(&script).status().unwrap_err();
+    assert_eq!(
+        e.raw_os_error(),
+        Some(libc::EACCES),
+        "exec on a noexec mount"
+    );
+    m.unmount();
+    m.mount_with(&[]);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::statvfs(cpath.as_ptr(), &mut sv) }, 0);
+    assert_eq!(
+        sv.f_flag & (libc::ST_NOSUID | libc::ST_NOEXEC),
+        0,
+        "defaults"
+    );
+    assert!(Command::new(&script).status().unwrap().success());
+    m.unmount();
+}
+
+/// An open directory removed by rmdir or replaced by a rename keeps answering
+/// fstat (with no links) until it is closed, as on a kernel filesystem, and is freed
+/// then.
+#[test]
+fn removed_open_directories_stay_until_closed() {
+    let mut m = Mount::new();
+    for d in ["a", "b", "c"] {
+        fs::create_dir(m.path(d)).unwrap();
+    }
+    let by_rmdir = File::open(m.path("a")).unwrap();
+    let by_rename = File::open(m.path("b")).unwrap();
+    let ino_a = by_rmdir.metadata().unwrap().ino();
+    fs::remove_dir(m.path("a")).unwrap();
+    fs::rename(m.path("c"), m.path("b")).unwrap();
+    for (what, f) in [("rmdir", &by_rmdir), ("rename over", &by_rename)] {
+        let md = f
+            .metadata()
+            .unwrap_or_else(|e| panic!("fstat after {what}: {e}"));
+        assert!(md.is_dir(), "after {what}");
+        assert_eq!(md.nlink(), 0, "links of a directory after {what}");
+    }
+    assert_eq!(by_rmdir.metadata().unwrap().ino(), ino_a);
+    expect_errno(fs::metadata(m.path("a")), libc::ENOENT, "removed name");
+    assert_eq!(list_dir(m.root()), vec!["b".to_string()]);
+    drop(by_rmdir);
+    drop(by_rename);
+    m.unmount();
+    let c = m.check();
+    assert!(c.status.success(), "check after closing:\n{}", describe(&c));
+}
+
 // ---------------------------------------------------------------------------
 // readdir
 // ---------------------------------------------------------------------------
+
+/// Every name read from an open directory stream, until its end.
+fn read_stream(dir: *mut libc::DIR) -> Vec<String> {
+    let mut names = Vec::new();
+    loop {
+        // SAFETY: `dir` is an open stream; the entry is read before the next call.
+        let e = unsafe { libc::readdir(dir) };
+        if e.is_null() {
+            return names;
+        }
+        // SAFETY: d_name is NUL-terminated.
+        let n = unsafe { std::ffi::CStr::from_ptr((*e).d_name.as_ptr()) };
+        names.push(n.to_string_lossy().into_owned());
+    }
+}
+
+/// Renaming each entry away and back while reading the directory lists every
+/// name once (a renamed entry gets a new index, and used to be listed again, so
+/// the loop never ended); rewinddir then sees entries made after the opendir.
+#[test]
+fn readdir_while_renaming_each_entry_ends_and_rewinddir_sees_new_entries() {
+    let mut m = Mount::new();
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    const N: usize = 3000;
+    for i in 0..N {
+        File::create(d.join(format!("f{i}"))).unwrap();
+    }
+    let cpath = std::ffi::CString::new(d.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid path; the stream is closed below.
+    let dir = unsafe { libc::opendir(cpath.as_ptr()) };
+    assert!(!dir.is_null());
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut total = 0;
+    loop {
+        // SAFETY: `dir` is open; the name is copied before the next readdir.
+        let e = unsafe { libc::readdir(dir) };
+        if e.is_null() {
+            break;
+        }
+        // SAFETY: d_name is NUL-terminated.
+        let name = unsafe { std::ffi::CStr::from_ptr((*e).d_name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        total += 1;
+        assert!(
+            total <= 3 * N,
+            "readdir does not end: {total} entries so far"
+        );
+        if name == "." || name == ".." {
+            continue;
+        }
+        fs::rename(d.join(&name), d.join("TEMP")).unwrap();
+        fs::rename(d.join("TEMP"), d.join(&name)).unwrap();
+        *seen.entry(name).or_default() += 1;
+    }
+    assert_eq!(seen.len(), N, "names listed");
+    let twice: Vec<_> = seen.iter().filter(|(_, &n)| n > 1).collect();
+    assert!(twice.is_empty(), "listed more than once: {twice:?}");
+    File::create(d.join("late")).unwrap();
+    // SAFETY: `dir` is open.
+    unsafe { libc::rewinddir(dir) };
+    let again = read_stream(dir);
+    // SAFETY: closes the stream opened above.
+    unsafe { libc::closedir(dir) };
+    assert_eq!(
+        again.len(),
+        N + 3,
+        "after rewinddir: . .. and {} files",
+        N + 1
+    );
+    assert!(
+        again.iter().any(|n| n == "late"),
+        "rewinddir misses a new entry"
+    );
+    m.unmount();
+}
 
 #[test]
 fn readdir_lists_exactly_the_entries() {

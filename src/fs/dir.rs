@@ -327,6 +327,11 @@ impl Inner {
         Ok(())
     }
 
+    /// The index the next entry made in directory `ino` will get.
+    pub(crate) fn next_dir_index(&mut self, ino: u64) -> Result<u64> {
+        Ok(self.dir_inode(ino)?.next_index.get())
+    }
+
     pub(crate) fn unlink(&mut self, parent: u64, name: &[u8], rmdir: bool) -> Result<()> {
         if name.len() > NAME_MAX {
             return Err(Error::NameTooLong);
@@ -464,11 +469,14 @@ impl Inner {
         Ok(())
     }
 
+    /// Up to `max` entries of `ino` from `offset`, leaving out those whose index is
+    /// `end` or more (entries made after an opendir that saw `end` as next index).
     pub(crate) fn readdir(
         &mut self,
         ino: u64,
         offset: u64,
         max: usize,
+        end: u64,
     ) -> Result<Vec<DirEntryOut>> {
         if ino == SNAPSHOTS_INO {
             return self.readdir_snapshots(offset, max);
@@ -500,7 +508,10 @@ impl Inner {
         let items = self.store.range(
             t,
             &dir_index_key(local, offset.max(3)),
-            &Key::new(local, kind::DIR_INDEX + 1, 0),
+            &match end {
+                u64::MAX => Key::new(local, kind::DIR_INDEX + 1, 0),
+                e => dir_index_key(local, e),
+            },
             want,
         )?;
         for (k, v) in items {

@@ -696,7 +696,40 @@ impl Fs {
 
     /// Directory entries after `offset` (0 to start), at most `max` of them.
     pub fn readdir(&self, ino: u64, offset: u64, max: usize) -> Result<Vec<DirEntryOut>> {
-        self.with(|i| i.readdir(ino, offset, max))
+        self.with(|i| i.readdir(ino, offset, max, u64::MAX))
+    }
+
+    /// Opens directory `ino` (pins it like [`Fs::open_ino`]); NotDir for others.
+    pub fn opendir(&self, ino: u64) -> Result<Attr> {
+        self.with(|i| {
+            let a = i.getattr(ino)?;
+            if a.kind != FileKind::Dir {
+                return Err(Error::NotDir);
+            }
+            i.pin(ino, 1);
+            Ok(a)
+        })
+    }
+
+    /// The index bound for reading directory `ino` from its start with
+    /// [`Fs::readdir_until`]: entries renamed or made from now on are left out, so
+    /// that renaming each entry while reading does not list it again (and forever).
+    pub fn readdir_bound(&self, ino: u64) -> Result<u64> {
+        if ino == SNAPSHOTS_INO {
+            return Ok(u64::MAX);
+        }
+        self.with(|i| i.next_dir_index(ino))
+    }
+
+    /// [`Fs::readdir`] without the entries whose index is `end` or more.
+    pub fn readdir_until(
+        &self,
+        ino: u64,
+        offset: u64,
+        max: usize,
+        end: u64,
+    ) -> Result<Vec<DirEntryOut>> {
+        self.with(|i| i.readdir(ino, offset, max, end))
     }
 
     /// The lock that orders writes, size changes and reads of one file.

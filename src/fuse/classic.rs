@@ -287,26 +287,37 @@ impl Filesystem for FuseFs {
         FuseFs::opendir(self, ino.0, reply)
     }
 
+    fn releasedir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        FuseFs::releasedir(self, ino.0, fh.0, reply)
+    }
+
     fn readdir(
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         reply: ReplyDirectory,
     ) {
-        FuseFs::readdir(self, ino.0, offset, reply)
+        FuseFs::readdir(self, ino.0, fh.0, offset, reply)
     }
 
     fn readdirplus(
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         reply: ReplyDirectoryPlus,
     ) {
-        FuseFs::readdirplus(self, ino.0, offset, reply)
+        FuseFs::readdirplus(self, ino.0, fh.0, offset, reply)
     }
 
     fn fsyncdir(

@@ -53,6 +53,33 @@ pub(crate) struct Caller {
     pub pid: u32,
 }
 
+/// The open directory handles of a mount and the index bound of each readdir.
+#[derive(Default)]
+struct DirHandles {
+    next: std::sync::atomic::AtomicU64,
+    bounds: parking_lot::Mutex<std::collections::HashMap<u64, u64>>,
+}
+
+impl DirHandles {
+    /// A new handle, with no bound until its first read.
+    fn open(&self) -> u64 {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set(&self, fh: u64, end: u64) {
+        self.bounds.lock().insert(fh, end);
+    }
+
+    /// The bound of `fh`; none (everything listed) for a handle never read from 0.
+    fn get(&self, fh: u64) -> u64 {
+        self.bounds.lock().get(&fh).copied().unwrap_or(u64::MAX)
+    }
+
+    fn close(&self, fh: u64) {
+        self.bounds.lock().remove(&fh);
+    }
+}
+
 /// Serves a [`Fs`] through FUSE, over `/dev/fuse` or io_uring queues. Clones share
 /// everything (the io_uring threads hold clones).
 #[derive(Clone)]
@@ -66,6 +93,10 @@ pub struct FuseFs {
     pub(crate) uring_agreed: Arc<std::sync::atomic::AtomicBool>,
     /// Which opens read past the kernel's page cache.
     pub(crate) direct: Arc<DirectReads>,
+    /// Open directory handles.
+    dirs: Arc<DirHandles>,
+    /// Tells the kernel of changes the daemon makes on its own (set once mounted).
+    notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
 
 impl FuseFs {
@@ -80,7 +111,15 @@ impl FuseFs {
             uring: false,
             uring_agreed: Default::default(),
             direct: Arc::new(DirectReads::new(None)),
+            dirs: Default::default(),
+            notifier: Default::default(),
         }
+    }
+
+    /// Gives the session's notifier, through which the kernel hears of attribute
+    /// changes it did not ask for (set-id bits cleared by a write).
+    pub fn set_notifier(&self, n: fuser::Notifier) {
+        let _ = self.notifier.set(n);
     }
 
     /// Lets read-only opens of files of at least `min_size` bytes read past the
@@ -377,6 +416,14 @@ impl FuseFs {
         };
         if let Err(e) = self.fs.setattr(ino, &set) {
             tracing::warn!("clearing the set-id bits of inode {ino} failed: {e}");
+            return;
+        }
+        // The kernel keeps the mode it cached (a direct write does not refresh it),
+        // and exec decides set-id on that mode: drop it now.
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(to_fuse(ino), -1, 0) {
+                tracing::debug!("invalidating the attributes of inode {ino} failed: {e}");
+            }
         }
     }
 
@@ -641,16 +688,41 @@ impl FuseFs {
         sync_or_queue(&self.fs, &self.fsyncs, job, Some(prep))
     }
 
+    /// Opens a directory; it stays (empty, with no links) while open after an rmdir
+    /// or a rename over it, as on a kernel filesystem.
+    /// Opens a directory; it stays (empty, with no links) while open after an rmdir
+    /// or a rename over it, as on a kernel filesystem.
     pub(crate) fn opendir(&self, nodeid: u64, reply: impl AnswerOpen) {
-        match self.fs.getattr(to_ino(nodeid)) {
-            Ok(a) if a.kind != FileKind::Dir => reply.error(err(libc::ENOTDIR)),
-            Ok(_) => reply.opened(FileHandle(0), FopenFlags::empty()),
+        match self.fs.opendir(to_ino(nodeid)) {
+            Ok(_) => reply.opened(FileHandle(self.dirs.open()), FopenFlags::empty()),
             Err(e) => reply.error(errno(&e)),
         }
     }
 
-    pub(crate) fn readdir(&self, nodeid: u64, offset: u64, mut reply: impl AnswerDir) {
-        match self.fs.readdir(to_ino(nodeid), offset, 512) {
+    /// The index bound of a readdir at `offset` through handle `fh`: taken anew at
+    /// offset 0 (the first read, or after rewinddir), which sees the directory as
+    /// it is then.
+    fn dir_bound(&self, ino: u64, fh: u64, offset: u64) -> crate::Result<u64> {
+        if offset == 0 {
+            let end = self.fs.readdir_bound(ino)?;
+            self.dirs.set(fh, end);
+            return Ok(end);
+        }
+        Ok(self.dirs.get(fh))
+    }
+
+    /// Closes a directory opened by [`FuseFs::opendir`].
+    pub(crate) fn releasedir(&self, nodeid: u64, fh: u64, reply: impl AnswerEmpty) {
+        self.dirs.close(fh);
+        empty(self.fs.release(to_ino(nodeid)), reply)
+    }
+
+    pub(crate) fn readdir(&self, nodeid: u64, fh: u64, offset: u64, mut reply: impl AnswerDir) {
+        let ino = to_ino(nodeid);
+        let r = self
+            .dir_bound(ino, fh, offset)
+            .and_then(|end| self.fs.readdir_until(ino, offset, 512, end));
+        match r {
             Ok(list) => {
                 for e in list {
                     let name = OsStr::from_bytes(&e.name);
@@ -664,8 +736,18 @@ impl FuseFs {
         }
     }
 
-    pub(crate) fn readdirplus(&self, nodeid: u64, offset: u64, mut reply: impl AnswerDirPlus) {
-        match self.fs.readdir(to_ino(nodeid), offset, 256) {
+    pub(crate) fn readdirplus(
+        &self,
+        nodeid: u64,
+        fh: u64,
+        offset: u64,
+        mut reply: impl AnswerDirPlus,
+    ) {
+        let ino = to_ino(nodeid);
+        let r = self
+            .dir_bound(ino, fh, offset)
+            .and_then(|end| self.fs.readdir_until(ino, offset, 256, end));
+        match r {
             Ok(list) => {
                 for e in list {
                     // An entry removed since readdir looked is skipped, not an error.

@@ -707,12 +707,12 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         abi::READDIR | abi::READDIRPLUS => {
             r.limit = (op.u32(16) as usize).min(PAYLOAD_SIZE);
             if h.opcode == abi::READDIR {
-                fs.readdir(n, op.u64(8), r)
+                fs.readdir(n, op.u64(0), op.u64(8), r)
             } else {
-                fs.readdirplus(n, op.u64(8), r)
+                fs.readdirplus(n, op.u64(0), op.u64(8), r)
             }
         }
-        abi::RELEASEDIR => AnswerEmpty::ok(r),
+        abi::RELEASEDIR => fs.releasedir(n, op.u64(0), r),
         abi::ACCESS => fs.access(c, n, op.u32(0) as i32, r),
         abi::CREATE => with_name(payload, r, |name, _, r| fs.create(c, n, name, op.u32(4), r)),
         abi::DESTROY => {

@@ -60,7 +60,7 @@ const MKFS_TIMEOUT: Duration = Duration::from_secs(120);
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(60);
 const UMOUNT_TIMEOUT: Duration = Duration::from_secs(30);
 const CHECK_TIMEOUT: Duration = Duration::from_secs(600);
-const SHELL_TIMEOUT: Duration = Duration::from_secs(120);
+pub const SHELL_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long an unmount may take to leave /proc/mounts and for the daemon to exit.
 const GONE_TIMEOUT: Duration = Duration::from_secs(30);
 
