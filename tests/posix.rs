@@ -2368,6 +2368,42 @@ fn unlinked_open_file_stays_usable_and_space_is_reclaimed() {
     m.unmount();
 }
 
+/// POSIX ACLs are refused (EOPNOTSUPP, as on a filesystem mounted noacl), not stored
+/// where the kernel would neither enforce them nor keep the mode in step.
+#[test]
+fn posix_acls_are_refused_not_stored() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    fs::write(&f, b"x").unwrap();
+    chmod(&f, 0o640).unwrap();
+    // user::rw- user:65534:rwx group::r-- mask::rwx other::---
+    let mut acl = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in [
+        (0x01u16, 6u16, u32::MAX),
+        (0x02, 7, 65534),
+        (0x04, 4, u32::MAX),
+        (0x10, 7, u32::MAX),
+        (0x20, 0, u32::MAX),
+    ] {
+        acl.extend_from_slice(&tag.to_le_bytes());
+        acl.extend_from_slice(&perm.to_le_bytes());
+        acl.extend_from_slice(&id.to_le_bytes());
+    }
+    for name in ["system.posix_acl_access", "system.posix_acl_default"] {
+        let target = if name.ends_with("default") {
+            m.root().to_path_buf()
+        } else {
+            f.clone()
+        };
+        expect_errno(setxattr(&target, name, &acl, 0), libc::EOPNOTSUPP, name);
+        expect_errno(getxattr(&target, name), libc::EOPNOTSUPP, name);
+    }
+    assert_eq!(perm(stat(&f).mode()), 0o640, "the mode stays");
+    let out = m.as_user(NOBODY, NOGROUP, "cat f");
+    assert!(!out.status.success(), "nobody reads a 0640 file");
+    m.unmount();
+}
+
 /// The generic mount flags reach the kernel and are enforced there; options birchfs
 /// would not honour are refused with a reason.
 #[test]

@@ -53,6 +53,13 @@ pub(crate) struct Caller {
     pub pid: u32,
 }
 
+/// Whether `name` is a POSIX ACL. birchfs does not support ACLs: without
+/// FUSE_POSIX_ACL the kernel would neither enforce one nor keep the mode in step,
+/// so storing it would only make setfacl look as if it worked.
+fn is_posix_acl(name: &[u8]) -> bool {
+    name == b"system.posix_acl_access" || name == b"system.posix_acl_default"
+}
+
 /// The open directory handles of a mount and the index bound of each readdir.
 #[derive(Default)]
 struct DirHandles {
@@ -787,6 +794,9 @@ impl FuseFs {
         flags: i32,
         reply: impl AnswerEmpty,
     ) {
+        if is_posix_acl(name) {
+            return reply.error(err(libc::EOPNOTSUPP));
+        }
         let create = flags & libc::XATTR_CREATE != 0;
         let replace = flags & libc::XATTR_REPLACE != 0;
         empty(
@@ -809,6 +819,8 @@ impl FuseFs {
                 .snapshot_info(ino)
                 .map(|s| s.to_json().to_string().into_bytes())
                 .ok_or(Error::NoData)
+        } else if is_posix_acl(name) {
+            return reply.error(err(libc::EOPNOTSUPP));
         } else {
             self.fs.getxattr(ino, name)
         };
@@ -833,6 +845,9 @@ impl FuseFs {
     }
 
     pub(crate) fn removexattr(&self, nodeid: u64, name: &[u8], reply: impl AnswerEmpty) {
+        if is_posix_acl(name) {
+            return reply.error(err(libc::EOPNOTSUPP));
+        }
         empty(self.fs.removexattr(to_ino(nodeid), name), reply)
     }
 
