@@ -135,17 +135,20 @@ pub struct SetAttr {
     /// (before `mode` applies): what a chown, or a write or truncate by a caller
     /// without CAP_FSETID, does.
     pub kill_suid: bool,
+    /// With `kill_suid`, clears S_ISGID also where the group may not execute: the
+    /// caller is neither in the file's group nor has CAP_FSETID.
+    pub kill_sgid: bool,
 }
 
 /// `mode` after a write, truncate or chown that drops privileges: without S_ISUID, and
-/// without S_ISGID where the group may execute (otherwise S_ISGID marks mandatory
-/// locking and stays); directories keep both.
-pub fn without_suid(mode: u32) -> u32 {
+/// without S_ISGID where the group may execute or `outsider` (the caller is neither
+/// in the file's group nor has CAP_FSETID, Linux 6.2's rule); directories keep both.
+pub fn without_suid(mode: u32, outsider: bool) -> u32 {
     if mode & libc::S_IFMT == libc::S_IFDIR {
         return mode;
     }
     let mut kill = libc::S_ISUID;
-    if mode & libc::S_IXGRP != 0 {
+    if mode & libc::S_IXGRP != 0 || outsider {
         kill |= libc::S_ISGID;
     }
     mode & !kill
@@ -344,7 +347,7 @@ impl Inner {
             i.mtime = now;
         }
         if set.kill_suid {
-            i.mode = without_suid(i.mode.get()).into();
+            i.mode = without_suid(i.mode.get(), set.kill_sgid).into();
         }
         if let Some(m) = set.mode {
             i.mode = ((i.mode.get() & libc::S_IFMT) | (m & 0o7777)).into();

@@ -235,7 +235,7 @@ impl Filesystem for FuseFs {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -245,7 +245,7 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        FuseFs::write(self, ino.0, offset, data, write_flags, reply)
+        FuseFs::write(self, &caller(req), ino.0, offset, data, write_flags, reply)
     }
 
     fn flush(

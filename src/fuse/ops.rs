@@ -250,17 +250,47 @@ fn sync_or_queue(fs: &Fs, queue: &FsyncQueue, job: FsyncJob, prep: Option<Prepar
 /// The capability that lets a process modify a set-id file and keep its set-id bits.
 const CAP_FSETID: u32 = 4;
 
-/// Whether the process (or thread) `pid` has CAP_FSETID in its effective set; unknown
-/// (it has exited) counts as no, which errs toward clearing the bits.
-fn has_fsetid(pid: u32) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return false;
-    };
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << CAP_FSETID) != 0)
+/// What decides whether a request's caller keeps a file's set-id bits, read from
+/// `/proc/PID/status`; a caller that has exited counts as unprivileged and in no
+/// group, which errs toward clearing the bits.
+struct CallerPrivs {
+    /// CAP_FSETID in the effective set.
+    fsetid: bool,
+    /// The filesystem gid and the supplementary groups.
+    groups: Vec<u32>,
+}
+
+impl CallerPrivs {
+    fn of(pid: u32) -> CallerPrivs {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+        };
+        let fsetid = field("CapEff:")
+            .and_then(|v| u64::from_str_radix(v, 16).ok())
+            .is_some_and(|caps| caps & (1 << CAP_FSETID) != 0);
+        let mut groups: Vec<u32> = field("Groups:")
+            .map(|v| {
+                v.split_whitespace()
+                    .filter_map(|g| g.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        // Gid: real effective saved fs
+        if let Some(fsgid) = field("Gid:").and_then(|v| v.split_whitespace().nth(3)?.parse().ok()) {
+            groups.push(fsgid);
+        }
+        CallerPrivs { fsetid, groups }
+    }
+
+    /// Whether a change by this caller leaves S_ISGID on a file of group `gid` whose
+    /// group may not execute (Linux 6.2's `setattr_should_drop_sgid`).
+    fn keeps_sgid(&self, gid: u32) -> bool {
+        self.fsetid || self.groups.contains(&gid)
+    }
 }
 
 /// birchfs's inode number of the kernel's node id.
@@ -384,20 +414,30 @@ impl FuseFs {
         (cr, sgid)
     }
 
-    /// Whether `ino` is a non-directory with set-id bits that a change would clear.
-    fn has_suid(&self, ino: u64) -> bool {
-        self.fs.getattr(ino).is_ok_and(|a| {
-            let perm = u32::from(a.perm);
-            a.kind != FileKind::Dir && without_suid(perm) != perm
-        })
+    /// The set-id bits a change by `c` clears from `ino` (`None`: nothing to clear):
+    /// `Some(outsider)` for [`SetAttr::kill_sgid`]. `flagged`: the kernel already
+    /// found that the caller lacks CAP_FSETID.
+    fn setid_to_clear(&self, c: &Caller, ino: u64, flagged: bool) -> Option<bool> {
+        let a = self.fs.getattr(ino).ok()?;
+        let perm = u32::from(a.perm);
+        if a.kind == FileKind::Dir || perm & (libc::S_ISUID | libc::S_ISGID) == 0 {
+            return None;
+        }
+        let p = CallerPrivs::of(c.pid);
+        if p.fsetid && !flagged {
+            return None;
+        }
+        let outsider = !p.groups.contains(&a.gid);
+        (without_suid(perm, outsider) != perm).then_some(outsider)
     }
 
     /// Clears the set-id bits of `ino` (and with `caps` its file capabilities) after a
-    /// change of its data: the kernel leaves this to the filesystem
-    /// (FUSE_HANDLE_KILLPRIV_V2). Failures are logged; the change itself stands.
-    fn drop_privs(&self, ino: u64, caps: bool) {
-        if self.has_suid(ino) {
-            self.clear_suid(ino);
+    /// change of its data by `c`: the kernel leaves this to the filesystem
+    /// (FUSE_HANDLE_KILLPRIV_V2) and flags the writes that need it. Failures are
+    /// logged; the change itself stands.
+    fn drop_privs(&self, c: &Caller, ino: u64, caps: bool) {
+        if let Some(outsider) = self.setid_to_clear(c, ino, true) {
+            self.clear_suid(ino, outsider);
         }
         if caps {
             match self.fs.removexattr(ino, b"security.capability") {
@@ -410,15 +450,17 @@ impl FuseFs {
     /// [`FuseFs::drop_privs`] for a change the kernel does not flag (fallocate,
     /// copy_file_range): when the caller lacks CAP_FSETID, as the VFS decides.
     fn drop_privs_unless_fsetid(&self, c: &Caller, ino: u64) {
-        if self.has_suid(ino) && !has_fsetid(c.pid) {
-            self.clear_suid(ino);
+        if let Some(outsider) = self.setid_to_clear(c, ino, false) {
+            self.clear_suid(ino, outsider);
         }
     }
 
-    /// Clears the set-id bits of `ino`; a failure is logged.
-    fn clear_suid(&self, ino: u64) {
+    /// Clears the set-id bits of `ino` (S_ISGID without group execute too for an
+    /// `outsider`); a failure is logged.
+    fn clear_suid(&self, ino: u64, outsider: bool) {
         let set = SetAttr {
             kill_suid: true,
+            kill_sgid: outsider,
             ..Default::default()
         };
         if let Err(e) = self.fs.setattr(ino, &set) {
@@ -480,7 +522,19 @@ impl FuseFs {
         // A chown clears set-id bits always, a truncate unless the caller has
         // CAP_FSETID (the kernel leaves both to us: FUSE_HANDLE_KILLPRIV_V2).
         let chown = s.uid.is_some() || s.gid.is_some();
-        let kill_suid = chown || (s.size.is_some() && self.has_suid(ino) && !has_fsetid(c.pid));
+        let (kill_suid, kill_sgid) = if chown {
+            // The file's group before the change decides, as in chown_common.
+            let p = CallerPrivs::of(c.pid);
+            let gid = self.fs.getattr(ino).map(|a| a.gid).unwrap_or(u32::MAX);
+            (true, !p.keeps_sgid(gid))
+        } else if s.size.is_some() {
+            match self.setid_to_clear(c, ino, false) {
+                Some(outsider) => (true, outsider),
+                None => (false, false),
+            }
+        } else {
+            (false, false)
+        };
         let set = SetAttr {
             mode: s.mode,
             uid: s.uid,
@@ -490,6 +544,7 @@ impl FuseFs {
             mtime: s.mtime.map(time_set),
             ctime: s.ctime,
             kill_suid,
+            kill_sgid,
         };
         attr(self.fs.setattr(ino, &set), reply)
     }
@@ -635,6 +690,7 @@ impl FuseFs {
 
     pub(crate) fn write(
         &self,
+        c: &Caller,
         nodeid: u64,
         offset: u64,
         data: &[u8],
@@ -643,7 +699,7 @@ impl FuseFs {
     ) {
         let ino = to_ino(nodeid);
         if flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            self.drop_privs(ino, true);
+            self.drop_privs(c, ino, true);
         }
         // Page-cache writeback: the kernel owns the times of what it cached.
         let r = if flags.contains(WriteFlags::FUSE_WRITE_CACHE) {

@@ -690,7 +690,7 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         abi::WRITE => {
             let size = (op.u32(16) as usize).min(payload.len());
             let flags = WriteFlags::from_bits_truncate(op.u32(20));
-            fs.write(n, op.u64(8), &payload[..size], flags, r)
+            fs.write(c, n, op.u64(8), &payload[..size], flags, r)
         }
         abi::STATFS => fs.statfs(r),
         abi::RELEASE => fs.release(n, op.u64(0), r),
