@@ -2395,6 +2395,90 @@ fn unlinked_open_file_stays_usable_and_space_is_reclaimed() {
     m.unmount();
 }
 
+/// A file handle (name_to_handle_at), as NFS export keeps it.
+fn file_handle(p: &Path) -> Vec<u8> {
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // struct file_handle: handle_bytes, handle_type, then the handle.
+    let mut buf = vec![0u8; 8 + 128];
+    // (native-endian fields; every target this runs on is little-endian)
+    buf[..4].copy_from_slice(&128u32.to_le_bytes());
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: a valid path, a buffer of 8 + handle_bytes bytes and an int.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_name_to_handle_at,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            buf.as_mut_ptr(),
+            &mut mount_id,
+            0,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "name_to_handle_at {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
+    let n = u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize;
+    buf.truncate(8 + n);
+    buf
+}
+
+/// Opens a file handle from [`file_handle`] on the mount at `root`.
+fn open_by_handle(root: &Path, handle: &[u8], flags: i32) -> std::io::Result<File> {
+    let m = File::open(root)?;
+    let mut h = handle.to_vec();
+    // SAFETY: a valid mount fd and a struct file_handle as the kernel filled it.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_by_handle_at,
+            m.as_raw_fd(),
+            h.as_mut_ptr(),
+            flags,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd owned by nobody else.
+    Ok(unsafe { <File as std::os::unix::io::FromRawFd>::from_raw_fd(fd as i32) })
+}
+
+/// File handles stay valid while their files live, also across a remount (so the
+/// kernel has the inode in no cache), as NFS export needs; a deleted file's handle
+/// is stale.
+#[test]
+fn file_handles_open_files_and_directories_after_a_remount() {
+    let mut m = Mount::new();
+    fs::create_dir_all(m.path("d/sub")).unwrap();
+    fs::write(m.path("d/f"), b"by handle").unwrap();
+    fs::write(m.path("gone"), b"x").unwrap();
+    let hf = file_handle(&m.path("d/f"));
+    let hd = file_handle(&m.path("d/sub"));
+    let hg = file_handle(&m.path("gone"));
+    fs::remove_file(m.path("gone")).unwrap();
+    m.remount();
+    let mut s = String::new();
+    open_by_handle(m.root(), &hf, libc::O_RDONLY)
+        .expect("open_by_handle_at of a file")
+        .read_to_string(&mut s)
+        .unwrap();
+    assert_eq!(s, "by handle");
+    let d = open_by_handle(m.root(), &hd, libc::O_RDONLY | libc::O_DIRECTORY)
+        .expect("open_by_handle_at of a directory");
+    assert!(d.metadata().unwrap().is_dir());
+    assert_eq!(d.metadata().unwrap().ino(), stat(&m.path("d/sub")).ino());
+    expect_errno(
+        open_by_handle(m.root(), &hg, libc::O_RDONLY),
+        libc::ESTALE,
+        "handle of a deleted file",
+    );
+    drop(d);
+    m.unmount();
+}
+
 /// POSIX ACLs are refused (EOPNOTSUPP, as on a filesystem mounted noacl), not stored
 /// where the kernel would neither enforce them nor keep the mode in step.
 #[test]

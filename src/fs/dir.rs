@@ -182,6 +182,11 @@ impl Inner {
         if name.len() > NAME_MAX {
             return Err(Error::NameTooLong);
         }
+        if name == b"." {
+            // Any inode: the kernel looks up "." of a node id to decode a file handle
+            // (NFS export, open_by_handle_at) of a file as well as a directory.
+            return self.getattr(parent);
+        }
         if parent == SNAPSHOTS_INO {
             return self.lookup_snapshot(name);
         }

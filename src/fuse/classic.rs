@@ -57,6 +57,10 @@ impl Filesystem for FuseFs {
             let _ = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE);
         }
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // File handles (NFS export, open_by_handle_at) hold the node id, which is the
+        // inode number, never reused: the kernel finds an uncached inode again by
+        // looking up "." of it, and a directory's parent by "..".
+        let _ = config.add_capabilities(InitFlags::FUSE_EXPORT_SUPPORT);
         // Direct reads (`fuse::direct`) only where the kernel writes a range's dirty
         // cached pages back before a direct read of it and allows shared mappings.
         if self.direct.enabled_by_config() {
