@@ -365,6 +365,33 @@ impl PageCache {
     }
 
     /// Dirty blocks of `ino`.
+    /// Byte ranges (offset, length) of the dirty blocks of `ino`, or `None` when more
+    /// than `max` folios may hold some (the caller then makes do with the count).
+    pub(crate) fn dirty_ranges_of(&self, ino: u64, max: usize) -> Option<Vec<(u64, u64)>> {
+        let folios: Vec<(u64, Arc<CachedFolio>)> = {
+            let st = self.state.lock();
+            let Some(d) = st.dirty_inos.get(&ino) else {
+                return Some(Vec::new());
+            };
+            if d.folios.len() > max {
+                return None;
+            }
+            d.folios
+                .iter()
+                .filter_map(|&i| st.folios.get(&(ino, i)).map(|f| (i, f.clone())))
+                .collect()
+        };
+        let (fsz, nb) = (self.folio_size(), self.blocks());
+        let mut out = Vec::new();
+        for (idx, f) in folios {
+            let g = f.folio.lock();
+            for (a, b) in g.dirty.runs(nb) {
+                out.push((idx * fsz + a as u64 * BS, (b - a) as u64 * BS));
+            }
+        }
+        Some(out)
+    }
+
     pub(crate) fn dirty_blocks_of(&self, ino: u64) -> u64 {
         self.state
             .lock()

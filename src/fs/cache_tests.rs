@@ -228,6 +228,43 @@ fn dirty_blocks_count_in_blocks_and_against_free_space() {
     assert_eq!(fs.stats().dev_data_bytes, 0, "deleted data was written");
 }
 
+/// Dirty blocks over allocated or preallocated extents add nothing to the blocks
+/// (writeback replaces those); only dirty blocks over holes count.
+#[test]
+fn dirty_blocks_over_allocated_or_preallocated_extents_do_not_count() {
+    let (_dev, fs) = mk(64 * MB, opts(64 * MB, 64 << 10, true));
+    let ino = file(&fs, b"f");
+    fs.fallocate(ino, BS - 1, 2, FallocMode::default()).unwrap();
+    assert_eq!(fs.getattr(ino).unwrap().blocks, 2 * 8);
+    fs.write(ino, BS - 1, b"ab").unwrap();
+    assert_eq!(
+        fs.getattr(ino).unwrap().blocks,
+        2 * 8,
+        "over preallocated blocks"
+    );
+    fs.write(ino, 10 * BS, &[7; BS as usize]).unwrap();
+    assert_eq!(
+        fs.getattr(ino).unwrap().blocks,
+        3 * 8,
+        "a block over a hole"
+    );
+    fs.fsync(ino, false).unwrap();
+    assert_eq!(fs.getattr(ino).unwrap().blocks, 3 * 8, "after writeback");
+    fs.write(ino, 10 * BS, &[8; 100]).unwrap();
+    fs.write(ino, BS, &[8; 100]).unwrap();
+    assert_eq!(
+        fs.getattr(ino).unwrap().blocks,
+        3 * 8,
+        "overwrites of written blocks"
+    );
+    fs.write(ino, 0, &[8; 100]).unwrap();
+    assert_eq!(
+        fs.getattr(ino).unwrap().blocks,
+        3 * 8,
+        "the written block 0"
+    );
+}
+
 #[test]
 fn truncate_and_punch_meet_cached_data() {
     let o = opts(64 * MB, 64 << 10, true);

@@ -69,7 +69,12 @@ fn decode_fe(ino: u64, v: &[u8]) -> Result<FileExtent> {
 impl Inner {
     /// File extents overlapping `[start, end)`, as (file offset, extent): from the
     /// file's extent map, loaded from the tree on first use.
-    fn extents_in(&mut self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, FileExtent)>> {
+    pub(super) fn extents_in(
+        &mut self,
+        ino: u64,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<(u64, FileExtent)>> {
         if self.maps.get(ino).is_none() && !self.maps.is_too_big(ino) {
             let mut map = ExtentMap::default();
             for (off, fe) in self.extents_in_tree(ino, 0, u64::MAX >> 1)? {

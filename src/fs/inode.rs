@@ -269,10 +269,39 @@ impl Inner {
 
     /// The attributes of `ino`; its blocks count the dirty cached blocks that
     /// writeback will allocate, as a disk-usage or sparse-file check expects.
-    pub(crate) fn attr_of(&self, ino: u64, i: &InodeItem) -> Result<Attr> {
+    pub(crate) fn attr_of(&mut self, ino: u64, i: &InodeItem) -> Result<Attr> {
         let mut a = attr_of(ino, i)?;
-        a.blocks += self.cache.dirty_blocks_of(ino) * (BLOCK_SIZE / 512);
+        a.blocks += self.new_dirty_blocks(ino) * (BLOCK_SIZE / 512);
         Ok(a)
+    }
+
+    /// Dirty cached blocks of `ino` over no extent yet: an overwrite of allocated
+    /// or preallocated blocks replaces them and adds nothing (btrfs's "new
+    /// delalloc bytes"). With dirty blocks in many folios, or an extent lookup that
+    /// fails, every dirty block counts.
+    fn new_dirty_blocks(&mut self, ino: u64) -> u64 {
+        let all = self.cache.dirty_blocks_of(ino);
+        if all == 0 {
+            return 0;
+        }
+        let Some(ranges) = self.cache.dirty_ranges_of(ino, 64) else {
+            return all;
+        };
+        let mut new = 0;
+        for (off, len) in ranges {
+            let Ok(extents) = self.extents_in(ino, off, off + len) else {
+                return all;
+            };
+            let covered: u64 = extents
+                .iter()
+                .map(|(at, fe)| {
+                    let (a, b) = ((*at).max(off), (at + fe.num_bytes.get()).min(off + len));
+                    b.saturating_sub(a)
+                })
+                .sum();
+            new += len.saturating_sub(covered) / BLOCK_SIZE;
+        }
+        new
     }
 
     /// Refuses operations that add data or names when only the reserve is left.
