@@ -2479,40 +2479,151 @@ fn file_handles_open_files_and_directories_after_a_remount() {
     m.unmount();
 }
 
-/// POSIX ACLs are refused (EOPNOTSUPP, as on a filesystem mounted noacl), not stored
-/// where the kernel would neither enforce them nor keep the mode in step.
+/// An ACL xattr (version 2) of (tag, perm, id) entries.
+fn acl_xattr(entries: &[(u16, u16, u32)]) -> Vec<u8> {
+    let mut v = 2u32.to_le_bytes().to_vec();
+    for &(tag, perm, id) in entries {
+        v.extend_from_slice(&tag.to_le_bytes());
+        v.extend_from_slice(&perm.to_le_bytes());
+        v.extend_from_slice(&id.to_le_bytes());
+    }
+    v
+}
+
+const ACL_ACCESS: &str = "system.posix_acl_access";
+const ACL_DEFAULT: &str = "system.posix_acl_default";
+// ACL tags (USER_OBJ, USER, GROUP_OBJ, MASK, OTHER) and the id of unnamed entries.
+const AU: u16 = 1;
+const AUN: u16 = 2;
+const AG: u16 = 4;
+const AM: u16 = 0x10;
+const AO: u16 = 0x20;
+const NOID: u32 = u32::MAX;
+
+/// POSIX ACLs: the kernel enforces what birchfs stores; an access ACL sets the
+/// mode's bits (group from the mask), chmod sets the ACL's, a minimal ACL is just
+/// the mode, and a directory's default ACL goes to what is made in it (masked by
+/// the mode asked for, instead of the umask; subdirectories keep it), across a
+/// remount.
 #[test]
-fn posix_acls_are_refused_not_stored() {
+fn posix_acls_are_enforced_kept_in_step_with_the_mode_and_inherited() {
     let mut m = Mount::new();
     let f = m.path("f");
-    fs::write(&f, b"x").unwrap();
+    fs::write(&f, b"secret").unwrap();
+    chmod(&f, 0o600).unwrap();
+    let nobody_reads = |p: &Path| run_as(NOBODY, NOGROUP, || fs::read(p)).is_ok();
+    assert!(!nobody_reads(&f));
+    let acl = acl_xattr(&[
+        (AU, 6, NOID),
+        (AUN, 4, NOBODY),
+        (AG, 0, NOID),
+        (AM, 4, NOID),
+        (AO, 0, NOID),
+    ]);
+    setxattr(&f, ACL_ACCESS, &acl, 0).unwrap();
+    assert_eq!(
+        perm(stat(&f).mode()),
+        0o640,
+        "the mask shows as the group bits"
+    );
+    assert_eq!(getxattr(&f, ACL_ACCESS).unwrap(), acl);
+    assert!(nobody_reads(&f), "a named entry grants");
+    chmod(&f, 0o600).unwrap();
+    let masked = acl_xattr(&[
+        (AU, 6, NOID),
+        (AUN, 4, NOBODY),
+        (AG, 0, NOID),
+        (AM, 0, NOID),
+        (AO, 0, NOID),
+    ]);
+    assert_eq!(
+        getxattr(&f, ACL_ACCESS).unwrap(),
+        masked,
+        "chmod sets the mask"
+    );
+    assert!(!nobody_reads(&f), "the mask limits the named entry");
     chmod(&f, 0o640).unwrap();
-    // user::rw- user:65534:rwx group::r-- mask::rwx other::---
-    let mut acl = 2u32.to_le_bytes().to_vec();
-    for (tag, perm, id) in [
-        (0x01u16, 6u16, u32::MAX),
-        (0x02, 7, 65534),
-        (0x04, 4, u32::MAX),
-        (0x10, 7, u32::MAX),
-        (0x20, 0, u32::MAX),
-    ] {
-        acl.extend_from_slice(&tag.to_le_bytes());
-        acl.extend_from_slice(&perm.to_le_bytes());
-        acl.extend_from_slice(&id.to_le_bytes());
-    }
-    for name in ["system.posix_acl_access", "system.posix_acl_default"] {
-        let target = if name.ends_with("default") {
-            m.root().to_path_buf()
-        } else {
-            f.clone()
-        };
-        expect_errno(setxattr(&target, name, &acl, 0), libc::EOPNOTSUPP, name);
-        expect_errno(getxattr(&target, name), libc::EOPNOTSUPP, name);
-    }
-    assert_eq!(perm(stat(&f).mode()), 0o640, "the mode stays");
-    let out = m.as_user(NOBODY, NOGROUP, "cat f");
-    assert!(!out.status.success(), "nobody reads a 0640 file");
+    assert!(nobody_reads(&f));
+    // A minimal ACL is only the mode.
+    let g = m.path("g");
+    fs::write(&g, b"x").unwrap();
+    setxattr(
+        &g,
+        ACL_ACCESS,
+        &acl_xattr(&[(AU, 7, NOID), (AG, 5, NOID), (AO, 1, NOID)]),
+        0,
+    )
+    .unwrap();
+    assert_eq!(perm(stat(&g).mode()), 0o751);
+    expect_errno(
+        getxattr(&g, ACL_ACCESS),
+        libc::ENODATA,
+        "a minimal ACL is not stored",
+    );
+    // Inheritance.
+    let d = m.path("d");
+    fs::create_dir(&d).unwrap();
+    let def = acl_xattr(&[
+        (AU, 7, NOID),
+        (AUN, 7, NOBODY),
+        (AG, 5, NOID),
+        (AM, 7, NOID),
+        (AO, 0, NOID),
+    ]);
+    setxattr(&d, ACL_DEFAULT, &def, 0).unwrap();
+    let new = d.join("new");
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .open(&new)
+        .unwrap();
+    assert_eq!(
+        perm(stat(&new).mode()),
+        0o660,
+        "the default ACL masked by 0666, no umask"
+    );
+    assert_eq!(
+        getxattr(&new, ACL_ACCESS).unwrap(),
+        acl_xattr(&[
+            (AU, 6, NOID),
+            (AUN, 7, NOBODY),
+            (AG, 5, NOID),
+            (AM, 6, NOID),
+            (AO, 0, NOID)
+        ])
+    );
+    expect_errno(
+        getxattr(&new, ACL_DEFAULT),
+        libc::ENODATA,
+        "a file has no default ACL",
+    );
+    run_as(NOBODY, NOGROUP, || fs::write(&new, b"by nobody")).expect("the inherited entry grants");
+    let sub = d.join("sub");
+    DirBuilder::new().mode(0o777).create(&sub).unwrap();
+    assert_eq!(perm(stat(&sub).mode()), 0o770);
+    assert_eq!(
+        getxattr(&sub, ACL_DEFAULT).unwrap(),
+        def,
+        "a subdirectory inherits the default"
+    );
+    m.remount();
+    assert!(nobody_reads(&f), "after a remount");
+    assert_eq!(fs::read(&new).unwrap(), b"by nobody");
+    assert_eq!(getxattr(&sub, ACL_DEFAULT).unwrap(), def);
+    // Without a default ACL the umask applies (the kernel leaves it to birchfs).
+    let um = current_umask();
+    let plain = m.path("plain");
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .open(&plain)
+        .unwrap();
+    assert_eq!(perm(stat(&plain).mode()), 0o666 & !um);
     m.unmount();
+    let c = m.check();
+    assert!(c.status.success(), "check:\n{}", describe(&c));
 }
 
 /// The generic mount flags reach the kernel and are enforced there; options birchfs

@@ -399,6 +399,9 @@ impl Inner {
         }
         i.ctime = set.ctime.map(Timespec::from_system).unwrap_or(now);
         self.put_inode(ino, &mut i)?;
+        if let Some(m) = set.mode {
+            self.chmod_acl(ino, m)?;
+        }
         if set.size.is_some() {
             // After the inode record: an fdatasync must take the new size along.
             self.store.log.mark_data(ino);

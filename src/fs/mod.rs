@@ -6,6 +6,7 @@
 //! I/O of reads and writes: lookups, reads and writes go on while a commit flushes, and
 //! reads and writes of different files go on together.
 
+mod acl;
 mod dir;
 mod file;
 mod inode;
@@ -28,6 +29,7 @@ use crate::format::{objectid, tree, Key, Timespec};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
 
+pub use acl::is_acl_name;
 pub use inode::{without_suid, Attr, FileKind, SetAttr, TimeSet};
 pub use snapshot::{is_snapshot_ino, SnapshotInfo, SNAPSHOTS_INO, SNAPSHOTS_NAME};
 pub use space::SpaceUsage;
@@ -634,6 +636,50 @@ impl Fs {
     pub fn mknod(&self, parent: u64, name: &[u8], mode: u32, rdev: u64, cr: Creds) -> Result<Attr> {
         Self::live_dir(parent)?;
         self.with_space(|i| i.create_node(parent, name, mode, rdev, cr, None))
+    }
+
+    /// Creates a node as a FUSE request asks, with the caller's `umask`: the parent's
+    /// default POSIX ACL, if it has one, gives the node its ACLs and masks its mode
+    /// instead of the umask (see `acl`). Directories when `mode` says so.
+    pub fn create_inheriting(
+        &self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u64,
+        cr: Creds,
+        umask: u32,
+    ) -> Result<Attr> {
+        let dir = mode & libc::S_IFMT == libc::S_IFDIR;
+        if dir && parent == SNAPSHOTS_INO {
+            return self.snapshot_create(name);
+        }
+        Self::live_dir(parent)?;
+        self.with_space(|i| {
+            let inh = i.inherit(parent, mode, umask)?;
+            let a = i.create_node(parent, name, inh.mode, rdev, cr, None)?;
+            if inh.xattrs.is_empty() {
+                return Ok(a);
+            }
+            for (n, v) in &inh.xattrs {
+                if let Err(e) = i.setxattr(a.ino, n, v, false, false) {
+                    // Undone whole, so that a retry after a commit starts afresh.
+                    let _ = i.unlink(parent, name, dir);
+                    return Err(e);
+                }
+            }
+            i.getattr(a.ino)
+        })
+    }
+
+    /// Sets the POSIX ACL `name` (`system.posix_acl_access` or `_default`) of `ino`
+    /// from its xattr bytes, keeping the mode in step (see `acl`).
+    pub fn set_acl(&self, ino: u64, name: &[u8], value: &[u8]) -> Result<()> {
+        if !acl::is_acl_name(name) {
+            return Err(Error::Invalid("not a POSIX ACL name"));
+        }
+        Self::live(ino)?;
+        self.with_space(|i| i.set_acl(ino, name, value))
     }
 
     /// Creates a directory.

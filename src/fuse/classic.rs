@@ -73,6 +73,14 @@ impl Filesystem for FuseFs {
         // kernel stops asking for security.capability before every write() (one
         // GETXATTR round trip per write without it).
         let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
+        // POSIX ACLs: the kernel enforces them and caches them; we store them, keep
+        // the mode in step, and give new nodes their parent's default ACL, for which
+        // the kernel must leave the umask to us.
+        if config.add_capabilities(InitFlags::FUSE_POSIX_ACL).is_ok()
+            && config.add_capabilities(InitFlags::FUSE_DONT_MASK).is_ok()
+        {
+            self.acls.store(true, Ordering::SeqCst);
+        }
         // The kernel offers io_uring queues only with fuse's enable_uring parameter on.
         // Once agreed, every request waits until the queues are registered, which the
         // mount does right after INIT (see `uring::Rings::start`).
@@ -146,12 +154,21 @@ impl Filesystem for FuseFs {
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         rdev: u32,
         reply: ReplyEntry,
     ) {
         let c = caller(req);
-        FuseFs::mknod(self, &c, parent.0, name.as_bytes(), mode, rdev, reply)
+        FuseFs::mknod(
+            self,
+            &c,
+            parent.0,
+            name.as_bytes(),
+            mode,
+            rdev,
+            umask,
+            reply,
+        )
     }
 
     fn mkdir(
@@ -160,10 +177,18 @@ impl Filesystem for FuseFs {
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         reply: ReplyEntry,
     ) {
-        FuseFs::mkdir(self, &caller(req), parent.0, name.as_bytes(), mode, reply)
+        FuseFs::mkdir(
+            self,
+            &caller(req),
+            parent.0,
+            name.as_bytes(),
+            mode,
+            umask,
+            reply,
+        )
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -374,11 +399,19 @@ impl Filesystem for FuseFs {
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
-        _umask: u32,
+        umask: u32,
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        FuseFs::create(self, &caller(req), parent.0, name.as_bytes(), mode, reply)
+        FuseFs::create(
+            self,
+            &caller(req),
+            parent.0,
+            name.as_bytes(),
+            mode,
+            umask,
+            reply,
+        )
     }
 
     fn fallocate(

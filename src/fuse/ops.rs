@@ -53,11 +53,11 @@ pub(crate) struct Caller {
     pub pid: u32,
 }
 
-/// Whether `name` is a POSIX ACL. birchfs does not support ACLs: without
-/// FUSE_POSIX_ACL the kernel would neither enforce one nor keep the mode in step,
-/// so storing it would only make setfacl look as if it worked.
+/// Whether `name` is a POSIX ACL. Without FUSE_POSIX_ACL the kernel would not
+/// enforce one, so storing it would only make setfacl look as if it worked: such
+/// mounts answer EOPNOTSUPP for them.
 fn is_posix_acl(name: &[u8]) -> bool {
-    name == b"system.posix_acl_access" || name == b"system.posix_acl_default"
+    crate::fs::is_acl_name(name)
 }
 
 /// The open directory handles of a mount and the index bound of each readdir.
@@ -98,6 +98,9 @@ pub struct FuseFs {
     pub(crate) uring: bool,
     /// Set at INIT when the kernel took FUSE over io_uring.
     pub(crate) uring_agreed: Arc<std::sync::atomic::AtomicBool>,
+    /// Set at INIT when the kernel took POSIX ACLs (FUSE_POSIX_ACL with
+    /// FUSE_DONT_MASK): it enforces them, and sends modes without the umask.
+    pub(crate) acls: Arc<std::sync::atomic::AtomicBool>,
     /// Which opens read past the kernel's page cache.
     pub(crate) direct: Arc<DirectReads>,
     /// Open directory handles.
@@ -117,6 +120,7 @@ impl FuseFs {
             workers,
             uring: false,
             uring_agreed: Default::default(),
+            acls: Default::default(),
             direct: Arc::new(DirectReads::new(None)),
             dirs: Default::default(),
             notifier: Default::default(),
@@ -476,7 +480,9 @@ impl FuseFs {
         }
     }
 
-    /// Creates a node; directories under a setgid directory inherit the bit.
+    /// Creates a node; directories under a setgid directory inherit the bit. With
+    /// ACLs the kernel leaves the caller's `umask` (or the parent's default ACL) to
+    /// us; without, it has applied the umask already.
     fn make(
         &self,
         c: &Caller,
@@ -484,17 +490,20 @@ impl FuseFs {
         name: &[u8],
         mode: u32,
         rdev: u64,
+        umask: u32,
     ) -> crate::Result<Attr> {
         let (cr, sgid) = self.creds(c, parent);
         let mut mode = mode;
         if sgid && mode & libc::S_IFMT == libc::S_IFDIR {
             mode |= libc::S_ISGID;
         }
-        if mode & libc::S_IFMT == libc::S_IFDIR {
-            self.fs.mkdir(parent, name, mode, cr)
-        } else {
-            self.fs.mknod(parent, name, mode, rdev, cr)
-        }
+        let umask = if self.acls_on() { umask } else { 0 };
+        self.fs
+            .create_inheriting(parent, name, mode, rdev, cr, umask)
+    }
+
+    fn acls_on(&self) -> bool {
+        self.acls.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The final commit, when the kernel ends the session.
@@ -556,6 +565,7 @@ impl FuseFs {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn mknod(
         &self,
         c: &Caller,
@@ -563,9 +573,13 @@ impl FuseFs {
         name: &[u8],
         mode: u32,
         rdev: u32,
+        umask: u32,
         reply: impl AnswerEntry,
     ) {
-        entry(self.make(c, to_ino(parent), name, mode, rdev as u64), reply)
+        entry(
+            self.make(c, to_ino(parent), name, mode, rdev as u64, umask),
+            reply,
+        )
     }
 
     pub(crate) fn mkdir(
@@ -574,10 +588,11 @@ impl FuseFs {
         parent: u64,
         name: &[u8],
         mode: u32,
+        umask: u32,
         reply: impl AnswerEntry,
     ) {
         let mode = libc::S_IFDIR | (mode & 0o7777);
-        entry(self.make(c, to_ino(parent), name, mode, 0), reply)
+        entry(self.make(c, to_ino(parent), name, mode, 0, umask), reply)
     }
 
     pub(crate) fn unlink(&self, parent: u64, name: &[u8], reply: impl AnswerEmpty) {
@@ -851,7 +866,10 @@ impl FuseFs {
         reply: impl AnswerEmpty,
     ) {
         if is_posix_acl(name) {
-            return reply.error(err(libc::EOPNOTSUPP));
+            if !self.acls_on() {
+                return reply.error(err(libc::EOPNOTSUPP));
+            }
+            return empty(self.fs.set_acl(to_ino(nodeid), name, value), reply);
         }
         let create = flags & libc::XATTR_CREATE != 0;
         let replace = flags & libc::XATTR_REPLACE != 0;
@@ -875,7 +893,7 @@ impl FuseFs {
                 .snapshot_info(ino)
                 .map(|s| s.to_json().to_string().into_bytes())
                 .ok_or(Error::NoData)
-        } else if is_posix_acl(name) {
+        } else if is_posix_acl(name) && !self.acls_on() {
             return reply.error(err(libc::EOPNOTSUPP));
         } else {
             self.fs.getxattr(ino, name)
@@ -901,7 +919,7 @@ impl FuseFs {
     }
 
     pub(crate) fn removexattr(&self, nodeid: u64, name: &[u8], reply: impl AnswerEmpty) {
-        if is_posix_acl(name) {
+        if is_posix_acl(name) && !self.acls_on() {
             return reply.error(err(libc::EOPNOTSUPP));
         }
         empty(self.fs.removexattr(to_ino(nodeid), name), reply)
@@ -920,12 +938,15 @@ impl FuseFs {
         parent: u64,
         name: &[u8],
         mode: u32,
+        umask: u32,
         reply: impl AnswerCreate,
     ) {
-        let r = self.make(c, to_ino(parent), name, mode, 0).and_then(|a| {
-            self.fs.open_ino(a.ino)?;
-            Ok(a)
-        });
+        let r = self
+            .make(c, to_ino(parent), name, mode, 0, umask)
+            .and_then(|a| {
+                self.fs.open_ino(a.ino)?;
+                Ok(a)
+            });
         match r {
             Ok(a) => {
                 self.direct.created(a.ino);

@@ -668,9 +668,11 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
             None => r.error(err(libc::EINVAL)),
         },
         abi::MKNOD => with_name(payload, r, |name, _, r| {
-            fs.mknod(c, n, name, op.u32(0), op.u32(4), r)
+            fs.mknod(c, n, name, op.u32(0), op.u32(4), op.u32(8), r)
         }),
-        abi::MKDIR => with_name(payload, r, |name, _, r| fs.mkdir(c, n, name, op.u32(0), r)),
+        abi::MKDIR => with_name(payload, r, |name, _, r| {
+            fs.mkdir(c, n, name, op.u32(0), op.u32(4), r)
+        }),
         abi::UNLINK => with_name(payload, r, |name, _, r| fs.unlink(n, name, r)),
         abi::RMDIR => with_name(payload, r, |name, _, r| fs.rmdir(n, name, r)),
         abi::RENAME | abi::RENAME2 => {
@@ -714,7 +716,9 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         }
         abi::RELEASEDIR => fs.releasedir(n, op.u64(0), r),
         abi::ACCESS => fs.access(c, n, op.u32(0) as i32, r),
-        abi::CREATE => with_name(payload, r, |name, _, r| fs.create(c, n, name, op.u32(4), r)),
+        abi::CREATE => with_name(payload, r, |name, _, r| {
+            fs.create(c, n, name, op.u32(4), op.u32(8), r)
+        }),
         abi::DESTROY => {
             fs.destroy();
             AnswerEmpty::ok(r)
