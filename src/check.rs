@@ -32,6 +32,9 @@ pub struct Report {
     pub inodes: u64,
     /// Data blocks verified against their checksums.
     pub data_blocks: u64,
+    /// Log batches (fsyncs since the last commit) a mount would replay; the check
+    /// sees the last commit only, without them.
+    pub pending_log_batches: usize,
 }
 
 impl Report {
@@ -571,6 +574,10 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
             *p = format!("snapshot {id}: {p}");
         }
     }
+    match crate::fs::log_batches(dev, &sb, sb.generation + 1) {
+        Ok((b, _)) => w.rep.pending_log_batches = b.len(),
+        Err(e) => w.problem(format!("log area cannot be read: {e}")),
+    }
     Ok(w.rep)
 }
 
@@ -808,6 +815,41 @@ mod tests {
         let rep = check(dev.as_ref()).unwrap();
         assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
         assert!(rep.nodes > 3 && rep.inodes == 302 && rep.data_blocks >= 600);
+    }
+
+    /// After a crash, fsyncs since the last commit sit in the log: the check says so
+    /// (it sees the commit without them), and after a mount replayed them, not.
+    #[test]
+    fn counts_the_log_batches_a_mount_would_replay() {
+        let dev = populated();
+        let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+        assert_eq!(check(dev.as_ref()).unwrap().pending_log_batches, 0);
+        for i in 0..3 {
+            let f = fs
+                .mknod(
+                    ROOT_INO,
+                    format!("new{i}").as_bytes(),
+                    0o644,
+                    0,
+                    Creds::default(),
+                )
+                .unwrap();
+            fs.write(f.ino, 0, b"fsynced").unwrap();
+            fs.fsync(f.ino, false).unwrap();
+        }
+        let crashed = Arc::new(MemDev::from_image(dev.image()));
+        drop(fs);
+        let rep = check(crashed.as_ref()).unwrap();
+        assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+        assert_eq!(rep.inodes, 302, "the check sees the last commit");
+        assert!(rep.pending_log_batches >= 1, "{rep:?}");
+        Fs::open(crashed.clone(), Options::default())
+            .unwrap()
+            .unmount()
+            .unwrap();
+        let rep = check(crashed.as_ref()).unwrap();
+        assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+        assert_eq!((rep.inodes, rep.pending_log_batches), (305, 0));
     }
 
     #[test]

@@ -853,6 +853,46 @@ impl Drop for Fs {
     }
 }
 
+/// The log batches a mount would replay on `dev` (superblock `sb`, running
+/// generation `generation`): those of the running generation, and of the next when
+/// a commit was in flight, up to the first whose data did not land; with the bytes
+/// of the log they take.
+pub(crate) fn log_batches(
+    dev: &dyn BlockDev,
+    sb: &crate::format::Superblock,
+    generation: u64,
+) -> Result<(Vec<Vec<crate::log::LogOp>>, u64)> {
+    let bs = crate::format::BLOCK_SIZE as usize;
+    let (start, len, head) = (sb.log_start, sb.log_len, sb.log_head);
+    // After a clean unmount the log of the running generation is empty: the block
+    // at its head (or at the area's start, where a batch goes that does not fit
+    // before the end) tells.
+    let mut at_head = vec![0u8; bs.min(len as usize)];
+    let mut at_zero = vec![0u8; bs.min(len as usize)];
+    dev.read_at(&mut at_head, start + head)?;
+    dev.read_at(&mut at_zero, start)?;
+    if !crate::log::starts_a_log(&at_head, &at_zero, &sb.fsid, generation) {
+        return Ok((Vec::new(), 0));
+    }
+    let mut area = vec![0u8; len as usize];
+    dev.read_at(&mut area, start)?;
+    let first = crate::log::parse(&area, &sb.fsid, generation, head);
+    let mut used = first.used;
+    let mut found = first.batches;
+    if first.closed {
+        // A commit was in flight: the next generation's batches follow.
+        let next = crate::log::parse(&area, &sb.fsid, generation + 1, first.end);
+        used += next.used;
+        found.extend(next.batches);
+    }
+    let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr).is_ok();
+    let batches = found
+        .into_iter()
+        .take_while(|b| crate::log::data_landed(b, &mut read))
+        .collect();
+    Ok((batches, used))
+}
+
 impl Inner {
     fn pin(&mut self, ino: u64, n: u64) {
         *self.pins.entry(ino).or_default() += n;
@@ -889,38 +929,10 @@ impl Inner {
     /// returns how many. See `log`.
     fn replay_log(&mut self) -> Result<usize> {
         let st = &mut self.store;
-        let bs = crate::format::BLOCK_SIZE as usize;
-        let (start, len, head) = (st.sb.log_start, st.sb.log_len, st.sb.log_head);
-        // After a clean unmount the log of the running generation is empty: the block
-        // at its head (or at the area's start, where a batch goes that does not fit
-        // before the end) tells.
-        let mut at_head = vec![0u8; bs.min(len as usize)];
-        let mut at_zero = vec![0u8; bs.min(len as usize)];
-        st.dev.read_at(&mut at_head, start + head)?;
-        st.dev.read_at(&mut at_zero, start)?;
-        if !crate::log::starts_a_log(&at_head, &at_zero, &st.sb.fsid, st.generation) {
-            return Ok(0);
-        }
-        let mut area = vec![0u8; len as usize];
-        st.dev.read_at(&mut area, start)?;
-        let first = crate::log::parse(&area, &st.sb.fsid, st.generation, head);
-        let mut used = first.used;
-        let mut found = first.batches;
-        if first.closed {
-            // A commit was in flight: the next generation's batches follow.
-            let next = crate::log::parse(&area, &st.sb.fsid, st.generation + 1, first.end);
-            used += next.used;
-            found.extend(next.batches);
-        }
+        let (batches, used) = log_batches(st.dev.as_ref(), &st.sb, st.generation)?;
         // New batches go after everything found, which stays as it is until the next
         // commit is durable: a crash before that replays the same.
         st.log.skip_found(used);
-        let dev = st.dev.clone();
-        let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr).is_ok();
-        let batches: Vec<_> = found
-            .into_iter()
-            .take_while(|b| crate::log::data_landed(b, &mut read))
-            .collect();
         if batches.is_empty() {
             return Ok(0);
         }
