@@ -876,6 +876,120 @@ fn rename_noreplace() {
     m.unmount();
 }
 
+/// RENAME_WHITEOUT moves the entry and leaves a whiteout (a 0:0 character device
+/// with mode 0) in its place, as overlayfs's upper layer needs.
+#[test]
+fn rename_whiteout_leaves_a_whiteout() {
+    let mut m = Mount::new();
+    let (a, b, c) = (m.path("a"), m.path("b"), m.path("c"));
+    fs::write(&a, b"a").unwrap();
+    fs::write(&c, b"c").unwrap();
+    let ia = stat(&a).ino();
+    expect_errno(
+        renameat2(&a, &c, RENAME_WHITEOUT | RENAME_NOREPLACE),
+        libc::EEXIST,
+        "WHITEOUT|NOREPLACE onto a file",
+    );
+    expect_errno(
+        renameat2(&a, &c, RENAME_WHITEOUT | RENAME_EXCHANGE),
+        libc::EINVAL,
+        "WHITEOUT with EXCHANGE",
+    );
+    assert_eq!(fs::read(&a).unwrap(), b"a");
+    renameat2(&a, &b, RENAME_WHITEOUT).unwrap();
+    assert_eq!(stat(&b).ino(), ia);
+    let check_whiteout = |what: &str| {
+        let w = fs::symlink_metadata(&a).unwrap();
+        assert!(
+            w.file_type().is_char_device(),
+            "{what}: {:?}",
+            w.file_type()
+        );
+        assert_eq!((w.rdev(), w.mode() & 0o7777), (0, 0), "{what}");
+    };
+    check_whiteout("after the rename");
+    // Over an existing target, also for a directory.
+    fs::create_dir(m.path("d")).unwrap();
+    fs::write(m.path("d/in"), b"in").unwrap();
+    renameat2(&m.path("d"), &c, RENAME_WHITEOUT).expect_err("a directory over a file");
+    renameat2(&b, &c, RENAME_WHITEOUT).unwrap();
+    renameat2(&m.path("d"), &m.path("e"), RENAME_WHITEOUT).unwrap();
+    assert_eq!(fs::read(m.path("e/in")).unwrap(), b"in");
+    m.remount();
+    check_whiteout("after a remount");
+    for n in ["b", "d"] {
+        assert!(fs::symlink_metadata(m.path(n))
+            .unwrap()
+            .file_type()
+            .is_char_device());
+    }
+    assert_eq!(fs::read(&c).unwrap(), b"a");
+    assert_eq!(list_dir(m.root()), vec!["a", "b", "c", "d", "e"]);
+    m.unmount();
+    let ck = m.check();
+    assert!(ck.status.success(), "check:\n{}", describe(&ck));
+}
+
+/// birchfs as overlayfs's upper layer (what container storage does): deleting and
+/// renaming lower files leaves whiteouts that hide them, also across a remount.
+#[test]
+fn overlayfs_takes_birchfs_as_its_upper_layer() {
+    let mut m = Mount::new();
+    let lower = m.host_dir().join("lower");
+    let merged = m.host_dir().join("merged");
+    fs::create_dir_all(&lower).unwrap();
+    fs::create_dir_all(&merged).unwrap();
+    for n in ["gone", "moved", "kept"] {
+        fs::write(lower.join(n), n.as_bytes()).unwrap();
+    }
+    fs::create_dir_all(m.path("upper")).unwrap();
+    fs::create_dir_all(m.path("work")).unwrap();
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        m.path("upper").display(),
+        m.path("work").display()
+    );
+    /// Detaches the overlay if the test fails while it is mounted.
+    struct Detach<'a>(&'a Path);
+    impl Drop for Detach<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                let _ = Command::new("umount").arg("-l").arg(self.0).status();
+            }
+        }
+    }
+    let _detach = Detach(&merged);
+    let mount_ovl = || {
+        let out = run(
+            Command::new("mount")
+                .args(["-t", "overlay", "overlay", "-o", &opts])
+                .arg(&merged),
+            SHELL_TIMEOUT,
+        );
+        assert!(out.status.success(), "overlay mount: {}", describe(&out));
+    };
+    let umount_ovl = || {
+        let out = run(Command::new("umount").arg(&merged), SHELL_TIMEOUT);
+        assert!(out.status.success(), "overlay umount: {}", describe(&out));
+    };
+    mount_ovl();
+    fs::remove_file(merged.join("gone")).unwrap();
+    fs::rename(merged.join("moved"), merged.join("there")).unwrap();
+    fs::write(merged.join("new"), b"new").unwrap();
+    let view = |d: &Path| {
+        assert_eq!(list_dir(d), vec!["kept", "new", "there"]);
+        assert_eq!(fs::read(d.join("there")).unwrap(), b"moved");
+    };
+    view(&merged);
+    umount_ovl();
+    m.remount();
+    mount_ovl();
+    view(&merged);
+    umount_ovl();
+    m.unmount();
+}
+
 #[test]
 fn rename_exchange() {
     let mut m = Mount::new();

@@ -740,6 +740,33 @@ impl Fs {
         self.with_space(|i| i.rename(parent, name, newparent, newname, flags))
     }
 
+    /// rename with RENAME_WHITEOUT (overlayfs's upper layer): moves the entry and puts
+    /// a whiteout (a 0:0 character device, mode 0, owned by `cr`) in its place, in one
+    /// step. `noreplace` as RENAME_NOREPLACE.
+    pub fn rename_whiteout(
+        &self,
+        parent: u64,
+        name: &[u8],
+        newparent: u64,
+        newname: &[u8],
+        noreplace: bool,
+        cr: Creds,
+    ) -> Result<()> {
+        Self::live_dir(parent)?;
+        Self::live_dir(newparent)?;
+        let flags = RenameFlags {
+            noreplace,
+            exchange: false,
+        };
+        self.with_space(|i| {
+            // Room for the whiteout first, so that the rename is never left without it.
+            i.need_room()?;
+            i.rename(parent, name, newparent, newname, flags)?;
+            i.create_node(parent, name, libc::S_IFCHR, 0, cr, None)
+                .map(|_| ())
+        })
+    }
+
     /// Directory entries after `offset` (0 to start), at most `max` of them.
     pub fn readdir(&self, ino: u64, offset: u64, max: usize) -> Result<Vec<DirEntryOut>> {
         self.with(|i| i.readdir(ino, offset, max, u64::MAX))

@@ -213,7 +213,7 @@ impl Filesystem for FuseFs {
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -224,6 +224,7 @@ impl Filesystem for FuseFs {
         let (name, newname) = (name.as_bytes(), newname.as_bytes());
         FuseFs::rename(
             self,
+            &caller(req),
             parent.0,
             name,
             newparent.0,

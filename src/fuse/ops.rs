@@ -617,8 +617,10 @@ impl FuseFs {
     }
 
     /// `flags` are rename2's RENAME_* bits.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn rename(
         &self,
+        c: &Caller,
         parent: u64,
         name: &[u8],
         newparent: u64,
@@ -626,8 +628,21 @@ impl FuseFs {
         flags: u32,
         reply: impl AnswerEmpty,
     ) {
-        if flags & libc::RENAME_WHITEOUT != 0 {
+        let known = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE | libc::RENAME_WHITEOUT;
+        if flags & !known != 0 {
             return reply.error(err(libc::EINVAL));
+        }
+        if flags & libc::RENAME_WHITEOUT != 0 {
+            if flags & libc::RENAME_EXCHANGE != 0 {
+                return reply.error(err(libc::EINVAL));
+            }
+            let (p, np) = (to_ino(parent), to_ino(newparent));
+            let (cr, _) = self.creds(c, p);
+            let noreplace = flags & libc::RENAME_NOREPLACE != 0;
+            return empty(
+                self.fs.rename_whiteout(p, name, np, newname, noreplace, cr),
+                reply,
+            );
         }
         let f = RenameFlags {
             noreplace: flags & libc::RENAME_NOREPLACE != 0,

@@ -682,7 +682,7 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
                 0
             };
             match abi::strings::<2>(payload) {
-                Some(([from, to], _)) => fs.rename(n, from, op.u64(0), to, flags, r),
+                Some(([from, to], _)) => fs.rename(c, n, from, op.u64(0), to, flags, r),
                 None => r.error(err(libc::EINVAL)),
             }
         }

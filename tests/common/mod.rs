@@ -55,6 +55,7 @@ pub const NOGROUP: u32 = 65534;
 
 pub const RENAME_NOREPLACE: u32 = 1;
 pub const RENAME_EXCHANGE: u32 = 2;
+pub const RENAME_WHITEOUT: u32 = 4;
 
 const MKFS_TIMEOUT: Duration = Duration::from_secs(120);
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(60);
