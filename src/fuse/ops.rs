@@ -528,8 +528,9 @@ impl FuseFs {
 
     pub(crate) fn setattr(&self, c: &Caller, nodeid: u64, s: SetAttrIn, reply: impl AnswerAttr) {
         let ino = to_ino(nodeid);
-        // A chown clears set-id bits always, a truncate unless the caller has
-        // CAP_FSETID (the kernel leaves both to us: FUSE_HANDLE_KILLPRIV_V2).
+        // A chown clears S_ISUID always, a truncate unless the caller has CAP_FSETID
+        // (the kernel leaves both to us: FUSE_HANDLE_KILLPRIV_V2); S_ISGID without
+        // group execute goes too when the caller is outside the file's group.
         let chown = s.uid.is_some() || s.gid.is_some();
         let (kill_suid, kill_sgid) = if chown {
             // The file's group before the change decides, as in chown_common.
@@ -781,8 +782,6 @@ impl FuseFs {
         sync_or_queue(&self.fs, &self.fsyncs, job, Some(prep))
     }
 
-    /// Opens a directory; it stays (empty, with no links) while open after an rmdir
-    /// or a rename over it, as on a kernel filesystem.
     /// Opens a directory; it stays (empty, with no links) while open after an rmdir
     /// or a rename over it, as on a kernel filesystem.
     pub(crate) fn opendir(&self, nodeid: u64, reply: impl AnswerOpen) {
