@@ -364,7 +364,6 @@ impl PageCache {
         }
     }
 
-    /// Dirty blocks of `ino`.
     /// Byte ranges (offset, length) of the dirty blocks of `ino`, or `None` when more
     /// than `max` folios may hold some (the caller then makes do with the count).
     pub(crate) fn dirty_ranges_of(&self, ino: u64, max: usize) -> Option<Vec<(u64, u64)>> {
@@ -392,6 +391,7 @@ impl PageCache {
         Some(out)
     }
 
+    /// Dirty blocks of `ino`.
     pub(crate) fn dirty_blocks_of(&self, ino: u64) -> u64 {
         self.state
             .lock()
