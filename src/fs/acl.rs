@@ -98,12 +98,20 @@ impl Acl {
         }
     }
 
+    /// The entry that stands for the group in the mode: MASK, or GROUP_OBJ without one.
+    fn group_tag(&self) -> u16 {
+        if self.perm(MASK).is_some() {
+            MASK
+        } else {
+            GROUP_OBJ
+        }
+    }
+
     /// The permission bits (0o777) the ACL gives the mode: owner from USER_OBJ,
     /// group from MASK (or GROUP_OBJ without one), other from OTHER.
     pub(crate) fn mode_bits(&self) -> u32 {
         let p = |t| u32::from(self.perm(t).unwrap_or(0));
-        let group = self.perm(MASK).map_or(p(GROUP_OBJ), u32::from);
-        (p(USER_OBJ) << 6) | (group << 3) | p(OTHER)
+        (p(USER_OBJ) << 6) | (p(self.group_tag()) << 3) | p(OTHER)
     }
 
     /// Whether the mode alone says all the ACL says (three entries, no mask).
@@ -111,18 +119,20 @@ impl Acl {
         self.0.len() == 3
     }
 
+    /// Sets the owner, group (see [`Acl::group_tag`]) and other entries to
+    /// `f(their perm, the mode's bits for them)`.
+    fn apply_mode(&mut self, mode: u32, f: impl Fn(u16, u16) -> u16) {
+        let bits = |shift: u32| ((mode >> shift) & 7) as u16;
+        let group = self.group_tag();
+        for (tag, shift) in [(USER_OBJ, 6), (group, 3), (OTHER, 0)] {
+            self.set_perm(tag, |p| f(p, bits(shift)));
+        }
+    }
+
     /// chmod: the mode's permission bits go into USER_OBJ, MASK (or GROUP_OBJ
     /// without one) and OTHER (the kernel's posix_acl_chmod).
     pub(crate) fn chmod(&mut self, mode: u32) {
-        let bits = |shift: u32| ((mode >> shift) & 7) as u16;
-        self.set_perm(USER_OBJ, |_| bits(6));
-        let group_tag = if self.perm(MASK).is_some() {
-            MASK
-        } else {
-            GROUP_OBJ
-        };
-        self.set_perm(group_tag, |_| bits(3));
-        self.set_perm(OTHER, |_| bits(0));
+        self.apply_mode(mode, |_, bits| bits);
     }
 
     /// A new node's access ACL from its parent's default ACL (`self`) and the mode
@@ -130,15 +140,7 @@ impl Acl {
     /// (posix_acl_create); gives the ACL and the mode's new permission bits.
     pub(crate) fn for_new_node(&self, mode: u32) -> (Acl, u32) {
         let mut a = self.clone();
-        let bits = |shift: u32| ((mode >> shift) & 7) as u16;
-        a.set_perm(USER_OBJ, |p| p & bits(6));
-        let group_tag = if a.perm(MASK).is_some() {
-            MASK
-        } else {
-            GROUP_OBJ
-        };
-        a.set_perm(group_tag, |p| p & bits(3));
-        a.set_perm(OTHER, |p| p & bits(0));
+        a.apply_mode(mode, |p, bits| p & bits);
         let perms = a.mode_bits();
         (a, perms)
     }
@@ -194,7 +196,6 @@ impl Inner {
         if name == DEFAULT {
             return self.setxattr(ino, name, &acl.encode(), false, false);
         }
-        let mut i = self.get_inode(ino)?;
         if acl.is_minimal() {
             match self.removexattr(ino, ACCESS) {
                 Ok(()) | Err(Error::NoData) => {}
@@ -202,8 +203,9 @@ impl Inner {
             }
         } else {
             self.setxattr(ino, ACCESS, &acl.encode(), false, false)?;
-            i = self.get_inode(ino)?;
         }
+        // Read after the xattr change, which stored the inode with a new ctime.
+        let mut i = self.get_inode(ino)?;
         i.mode = ((i.mode.get() & !0o777) | acl.mode_bits()).into();
         i.ctime = crate::format::Timespec::now();
         self.put_inode(ino, &mut i)
