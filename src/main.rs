@@ -471,9 +471,9 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
                     parse_size(v).with_context(|| format!("in mount option '{opt}'"))?,
                 ))
             }
-            None if opt == "ro" => o.fs.readonly = true,
-            None if opt == "rw" => o.fs.readonly = false,
             None => match opt.as_str() {
+                "ro" => o.fs.readonly = true,
+                "rw" => o.fs.readonly = false,
                 "nosuid" => o.vfs.nosuid = true,
                 "suid" => o.vfs.nosuid = false,
                 "nodev" => o.vfs.nodev = true,

@@ -27,8 +27,8 @@ use super::direct::{opens_to_write, DirectReads, DIRECT_FH};
 use super::group::{FsyncQueue, PendingFsync, Preparing};
 use crate::error::Error;
 use crate::fs::{
-    is_snapshot_ino, without_suid, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags, SetAttr,
-    TimeSet, ROOT_INO,
+    is_acl_name, is_snapshot_ino, without_suid, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags,
+    SetAttr, TimeSet, ROOT_INO,
 };
 
 pub(crate) const TTL: Duration = Duration::from_secs(1);
@@ -51,13 +51,6 @@ pub(crate) struct Caller {
     pub uid: u32,
     pub gid: u32,
     pub pid: u32,
-}
-
-/// Whether `name` is a POSIX ACL. Without FUSE_POSIX_ACL the kernel would not
-/// enforce one, so storing it would only make setfacl look as if it worked: such
-/// mounts answer EOPNOTSUPP for them.
-fn is_posix_acl(name: &[u8]) -> bool {
-    crate::fs::is_acl_name(name)
 }
 
 /// The open directory handles of a mount and the index bound of each readdir.
@@ -506,6 +499,13 @@ impl FuseFs {
         self.acls.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether xattr `name` is a POSIX ACL this mount refuses (EOPNOTSUPP): without
+    /// FUSE_POSIX_ACL the kernel would not enforce one, so storing it would only make
+    /// setfacl look as if it worked.
+    fn acl_refused(&self, name: &[u8]) -> bool {
+        is_acl_name(name) && !self.acls_on()
+    }
+
     /// The final commit, when the kernel ends the session.
     pub(crate) fn destroy(&self) {
         if let Err(e) = self.fs.commit() {
@@ -879,10 +879,10 @@ impl FuseFs {
         flags: i32,
         reply: impl AnswerEmpty,
     ) {
-        if is_posix_acl(name) {
-            if !self.acls_on() {
-                return reply.error(err(libc::EOPNOTSUPP));
-            }
+        if self.acl_refused(name) {
+            return reply.error(err(libc::EOPNOTSUPP));
+        }
+        if is_acl_name(name) {
             return empty(self.fs.set_acl(to_ino(nodeid), name, value), reply);
         }
         let create = flags & libc::XATTR_CREATE != 0;
@@ -907,7 +907,7 @@ impl FuseFs {
                 .snapshot_info(ino)
                 .map(|s| s.to_json().to_string().into_bytes())
                 .ok_or(Error::NoData)
-        } else if is_posix_acl(name) && !self.acls_on() {
+        } else if self.acl_refused(name) {
             return reply.error(err(libc::EOPNOTSUPP));
         } else {
             self.fs.getxattr(ino, name)
@@ -933,7 +933,7 @@ impl FuseFs {
     }
 
     pub(crate) fn removexattr(&self, nodeid: u64, name: &[u8], reply: impl AnswerEmpty) {
-        if is_posix_acl(name) && !self.acls_on() {
+        if self.acl_refused(name) {
             return reply.error(err(libc::EOPNOTSUPP));
         }
         empty(self.fs.removexattr(to_ino(nodeid), name), reply)
