@@ -603,21 +603,37 @@ fn compare_snapshot(fs: &Fs, root: &str, m: &Model, what: &str, ops: &[Op]) {
     }
 }
 
+/// A recorded write: offset and bytes.
+type Write<'a> = (u64, &'a [u8]);
+
+/// Each state a power cut can start from (0, then just after each flush) with the
+/// writes recorded after it and before the next flush: the unflushed tail a cut may
+/// keep any part of.
+fn gaps<'a>(dev: &CrashDev, ops: &'a [CrashOp]) -> Vec<(usize, Vec<Write<'a>>)> {
+    let mut bases = vec![0];
+    bases.extend(dev.flush_points());
+    bases
+        .iter()
+        .enumerate()
+        .map(|(bi, &b)| {
+            let end = bases.get(bi + 1).map(|e| e - 1).unwrap_or(ops.len());
+            let tail = ops[b..end]
+                .iter()
+                .filter_map(|o| match o {
+                    CrashOp::Write { off, data } => Some((*off, data.as_slice())),
+                    CrashOp::Flush => None,
+                })
+                .collect();
+            (b, tail)
+        })
+        .collect()
+}
+
 /// Rebuilds and verifies the crash states of one recorded run; returns how many.
 fn crash_states(dev: &CrashDev, run: &Run, rng: &mut StdRng, per_gap: usize) -> usize {
     let ops = dev.ops();
-    let mut bases = vec![0];
-    bases.extend(dev.flush_points());
     let mut n = 0;
-    for (bi, &b) in bases.iter().enumerate() {
-        let end = bases.get(bi + 1).map(|e| e - 1).unwrap_or(ops.len());
-        let tail: Vec<(u64, &[u8])> = ops[b..end]
-            .iter()
-            .filter_map(|o| match o {
-                CrashOp::Write { off, data } => Some((*off, data.as_slice())),
-                CrashOp::Flush => None,
-            })
-            .collect();
+    for (bi, (b, tail)) in gaps(dev, &ops).into_iter().enumerate() {
         verify(dev.image_with(b, &[]), run, b, &format!("flush point {b}"));
         n += 1;
         if bi % 2 == 1 {
@@ -1479,23 +1495,15 @@ fn fsyncs_and_commits_together_survive_every_power_cut() {
         }
     };
     let ops = dev.ops();
-    let points: Vec<usize> = dev
-        .flush_points()
+    // The flush points from `start` on (not the unflushed start of the recording).
+    let points: Vec<_> = gaps(&dev, &ops)
         .into_iter()
-        .filter(|&p| p >= start)
+        .filter(|&(p, _)| p > 0 && p >= start)
         .collect();
     assert!(points.len() >= rounds, "few flushes: {}", points.len());
     let mut rng = StdRng::seed_from_u64(42);
-    for (i, &p) in points.iter().enumerate() {
+    for (i, (p, tail)) in points.into_iter().enumerate() {
         check_at(dev.image_with(p, &[]), p, &format!("flush point {p}"));
-        let end = points.get(i + 1).map(|e| e - 1).unwrap_or(ops.len());
-        let tail: Vec<(u64, &[u8])> = ops[p..end]
-            .iter()
-            .filter_map(|o| match o {
-                CrashOp::Write { off, data } => Some((*off, data.as_slice())),
-                CrashOp::Flush => None,
-            })
-            .collect();
         if !tail.is_empty() {
             let pick: Vec<(u64, &[u8])> =
                 tail.iter().copied().filter(|_| rng.gen_bool(0.5)).collect();
@@ -1627,18 +1635,8 @@ fn batches_a_crash_left_beyond_the_log_are_never_replayed() {
 /// in-order prefixes and random subsets of the writes before the next flush.
 fn cut_images(dev: &CrashDev, rng: &mut StdRng) -> Vec<(usize, Vec<u8>)> {
     let ops = dev.ops();
-    let mut bases = vec![0];
-    bases.extend(dev.flush_points());
     let mut out = Vec::new();
-    for (bi, &b) in bases.iter().enumerate() {
-        let end = bases.get(bi + 1).map(|e| e - 1).unwrap_or(ops.len());
-        let tail: Vec<(u64, &[u8])> = ops[b..end]
-            .iter()
-            .filter_map(|o| match o {
-                CrashOp::Write { off, data } => Some((*off, data.as_slice())),
-                CrashOp::Flush => None,
-            })
-            .collect();
+    for (b, tail) in gaps(dev, &ops) {
         out.push((b, dev.image_with(b, &[])));
         for k in 1..=tail.len() {
             out.push((b, dev.image_with(b, &tail[..k])));
