@@ -206,11 +206,7 @@ fn bad_ring_options_are_refused_with_a_message() {
         ("uring_depth=0", "1 to 256"),
         ("uring_threads=100", "1 to 64"),
     ] {
-        let out = m.try_mount(&[opt]);
-        assert!(!out.status.success(), "{opt} was accepted");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(word), "{opt}: {err}");
-        assert!(!m.is_mounted());
+        m.expect_refused(opt, word);
     }
 }
 

@@ -487,6 +487,17 @@ impl Mount {
         }
     }
 
+    /// Tries to mount with `opt` alone and asserts that the mount is refused with a
+    /// message on stderr that names `says`.
+    #[track_caller]
+    pub fn expect_refused(&mut self, opt: &str, says: &str) {
+        let out = self.try_mount(&[opt]);
+        assert!(!out.status.success(), "{opt} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{opt}: {err}");
+        assert!(!self.is_mounted());
+    }
+
     /// Mounts with the options last used (none at first); asserts success and
     /// that the mount is visible when the command returns.
     #[track_caller]
