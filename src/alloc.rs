@@ -5,6 +5,10 @@
 //! again before the superblock of generation N is durable. Frees go to `pinned` and
 //! return to `free` only through `unpin` after the commit's final flush.
 //!
+//! Nor while a write into blocks that were preallocated is in flight (see
+//! [`Allocator::begin_in_place`]): the file may lose them meanwhile (an unlink), and
+//! that late write must not land in whatever they are given to next.
+//!
 //! The reserve keeps room for the tree copies that a commit, an unlink or an rmdir
 //! needs on a full disk: operations that add data or names refuse with ENOSPC before
 //! the free space falls into it; freeing operations and commit may use it.
@@ -25,6 +29,10 @@ pub(crate) struct Allocator {
     cursor: u64,
     /// The lowest address it manages.
     start: u64,
+    /// Writes in place into preallocated blocks now in flight.
+    in_place: usize,
+    /// Extents whose freeing commit is durable, held back for those writes.
+    held: Vec<(u64, u64)>,
 }
 
 impl Allocator {
@@ -38,6 +46,8 @@ impl Allocator {
             reserve,
             cursor: start,
             start,
+            in_place: 0,
+            held: Vec::new(),
         };
         a.add_free(start, end - start);
         for &(s, l) in holes {
@@ -64,6 +74,13 @@ impl Allocator {
     /// Whether an operation that adds `need` bytes of data may start.
     pub(crate) fn has_room(&self, need: u64) -> bool {
         self.free_bytes >= self.reserve.saturating_add(need)
+    }
+
+    /// Whether `need` bytes of tree growth may come out of the metadata reserve for
+    /// a write that needs no data space (its blocks are preallocated): up to half of
+    /// the reserve, the rest kept for commits, unlinks and rmdirs.
+    pub(crate) fn has_metadata_room(&self, need: u64) -> bool {
+        self.free_bytes >= (self.reserve / 2).saturating_add(need)
     }
 
     fn add_free(&mut self, mut start: u64, mut len: u64) {
@@ -167,11 +184,30 @@ impl Allocator {
     /// sparse image file or a thin device does not grow on every overwrite), while
     /// allocations within one generation still go forward, next to each other.
     pub(crate) fn unpin(&mut self, list: Vec<(u64, u64)>) {
-        for (s, l) in list {
+        if self.in_place > 0 {
+            self.held.extend(list);
+            return;
+        }
+        for (s, l) in list.into_iter().chain(std::mem::take(&mut self.held)) {
             self.pinned_bytes -= l;
             self.add_free(s, l);
         }
         self.cursor = self.start;
+    }
+
+    /// Notes a write into preallocated blocks about to go out without the fs lock:
+    /// nothing is unpinned until it ends ([`Allocator::end_in_place`]).
+    pub(crate) fn begin_in_place(&mut self) {
+        self.in_place += 1;
+    }
+
+    /// Ends a write noted by [`Allocator::begin_in_place`]; the last one to end
+    /// releases what was held back for them.
+    pub(crate) fn end_in_place(&mut self) {
+        self.in_place -= 1;
+        if self.in_place == 0 && !self.held.is_empty() {
+            self.unpin(Vec::new());
+        }
     }
 }
 
@@ -193,6 +229,35 @@ mod tests {
         a.unpin(p);
         assert_eq!(a.free_bytes(), before + 8192);
         assert_eq!(a.free.len(), 2, "freed range coalesced back");
+    }
+
+    /// Space whose freeing commit became durable while writes into preallocated
+    /// blocks were in flight comes back only when the last of them ends.
+    #[test]
+    fn frees_wait_for_writes_in_place_in_flight() {
+        let mut a = Allocator::new(0, 1 << 20, &[], 0);
+        let (s, l) = a.alloc(8192, 4096, false).unwrap();
+        let (s2, l2) = a.alloc(4096, 4096, false).unwrap();
+        let before = a.free_bytes();
+        a.begin_in_place();
+        a.begin_in_place();
+        a.pin(s, l);
+        let p = a.take_pinned();
+        a.unpin(p);
+        a.pin(s2, l2);
+        let p = a.take_pinned();
+        a.unpin(p);
+        assert_eq!(a.free_bytes(), before, "freed while writes were in flight");
+        assert_eq!(a.pinned_bytes(), l + l2);
+        a.end_in_place();
+        assert_eq!(
+            a.free_bytes(),
+            before,
+            "freed while one write was in flight"
+        );
+        a.end_in_place();
+        assert_eq!(a.free_bytes(), before + l + l2);
+        assert_eq!(a.pinned_bytes(), 0);
     }
 
     #[test]

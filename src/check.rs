@@ -496,60 +496,82 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
         ));
     }
 
-    // Data checksums: one item per data extent, and every data block matches.
-    let mut csums: HashMap<u64, Vec<u8>> = HashMap::new();
+    // Data checksums: items that do not overlap, each inside one data extent (one
+    // for the whole extent, or one per piece of a preallocated extent written in
+    // place); every block a written file extent maps has one, and every block
+    // with one matches it.
+    let mut csums: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut csum_end = 0u64;
     for (k, v) in csum_items {
         if k.objectid != objectid::CSUM || k.ty != kind::EXTENT_CSUM {
             w.problem(format!("checksum tree: unexpected item {k:?}"));
             continue;
         }
-        if !matches!(expect.get(&k.offset), Some((_, EXTENT_FLAG_DATA, _))) {
+        let end = k.offset + v.len() as u64 / 4 * 4096;
+        if v.is_empty() || v.len() % 4 != 0 {
+            w.problem(format!("checksums for {:#x}: {} bytes", k.offset, v.len()));
+            continue;
+        }
+        let inside = expect
+            .range(..=k.offset)
+            .next_back()
+            .is_some_and(|(&s, &(l, f, _))| f == EXTENT_FLAG_DATA && end <= s + l);
+        if !inside {
             w.problem(format!(
-                "checksums for {:#x}, which is no data extent",
+                "checksums for {:#x}+{}, which lie in no data extent",
+                k.offset,
+                end - k.offset
+            ));
+            continue;
+        }
+        if k.offset < csum_end {
+            w.problem(format!(
+                "checksums for {:#x} overlap the ones before",
                 k.offset
             ));
+            continue;
         }
+        csum_end = end;
         csums.insert(k.offset, v);
     }
-    let mut verified = HashSet::new();
-    for (k, fe) in &file_extents {
+    let mut seen_extents = HashSet::new();
+    let mut seen_ranges = HashSet::new();
+    for (_, fe) in &file_extents {
         let (b, l) = (fe.disk_bytenr.get(), fe.disk_len.get());
-        if fe.offset.get() % 4096 != 0
-            || fe.num_bytes.get() % 4096 != 0
-            || k.offset % 4096 != 0
-            || fe.offset.get() + fe.num_bytes.get() > l
-            || fe.num_bytes.get() == 0
-        {
-            w.problem(format!(
-                "inode {}: file extent at {} has bad bounds",
-                k.objectid, k.offset
-            ));
-        }
-        if fe.kind == FILE_EXTENT_PREALLOC || !verified.insert(b) {
-            continue;
-        }
-        let Some(sums) = csums.get(&b) else {
-            w.problem(format!("data extent {b:#x}: no checksums"));
-            continue;
-        };
-        if sums.len() as u64 != l / 4096 * 4 {
-            w.problem(format!(
-                "data extent {b:#x}: {} checksum bytes for {l} bytes",
-                sums.len()
-            ));
-            continue;
-        }
-        if l > crate::format::MAX_EXTENT_SIZE
-            || b.checked_add(l).is_none_or(|e| e > w.sb.total_bytes)
+        if seen_extents.insert(b)
+            && (l > crate::format::MAX_EXTENT_SIZE
+                || b.checked_add(l).is_none_or(|e| e > w.sb.total_bytes))
         {
             w.problem(format!(
                 "data extent {b:#x}+{l} is too large or outside the device"
             ));
+        }
+        let (from, n) = (b.saturating_add(fe.offset.get()), fe.num_bytes.get());
+        if fe.kind == FILE_EXTENT_PREALLOC || !seen_ranges.insert((from, n)) {
             continue;
         }
-        let mut buf = vec![0u8; l as usize];
-        if dev.read_at(&mut buf, b).is_err() {
-            w.problem(format!("data extent {b:#x}: read error"));
+        let mut at = from;
+        while at < from.saturating_add(n) {
+            let covering = csums
+                .range(..=at)
+                .next_back()
+                .map(|(&s, v)| s + v.len() as u64 / 4 * 4096)
+                .filter(|&e| e > at);
+            match covering {
+                Some(e) => at = e,
+                None => {
+                    w.problem(format!(
+                        "data extent {b:#x}: no checksums for block {at:#x}"
+                    ));
+                    break;
+                }
+            }
+        }
+    }
+    for (&start, sums) in &csums {
+        let mut buf = vec![0u8; sums.len() / 4 * 4096];
+        if dev.read_at(&mut buf, start).is_err() {
+            w.problem(format!("data blocks {start:#x}+{}: read error", buf.len()));
             continue;
         }
         for (i, blk) in buf.chunks(4096).enumerate() {
@@ -557,8 +579,8 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
             let want = u32::from_le_bytes(sums[i * 4..i * 4 + 4].try_into().unwrap());
             if crate::format::csum(blk) != want {
                 w.problem(format!(
-                    "data block {:#x} (extent {b:#x}): checksum mismatch",
-                    b + i as u64 * 4096
+                    "data block {:#x}: checksum mismatch",
+                    start + i as u64 * 4096
                 ));
             }
         }

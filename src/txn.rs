@@ -38,8 +38,8 @@ use crate::error::{Error, Result};
 use crate::format::{
     decode_node, encode_node, kind, objectid, root_flag, tree, ExtentItem, FileExtent, Key,
     NodeBody, NodeHeader, RootItem, SnapshotItem, SnapshotMeta, Superblock, Timespec,
-    DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE, INCOMPAT_LOG_RING,
-    LOG_START, MAX_ITEM_SIZE, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
+    DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE, INCOMPAT_CSUM_PIECES,
+    INCOMPAT_LOG_RING, LOG_START, MAX_ITEM_SIZE, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
 };
 use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
@@ -157,7 +157,7 @@ impl Store {
         }
         let log_len = log_len_for(size);
         let sb = Superblock {
-            incompat: INCOMPAT_BASE | INCOMPAT_LOG_RING,
+            incompat: INCOMPAT_BASE | INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES,
             compat: 0,
             fsid: random_fsid(),
             generation: 0,
@@ -431,6 +431,12 @@ impl Store {
         res
     }
 
+    /// Generation of the newest snapshot: file extents made after it are in no
+    /// snapshot.
+    pub(crate) fn last_snapshot(&self) -> u64 {
+        self.last_snapshot
+    }
+
     pub(crate) fn writable(&self) -> Result<()> {
         if self.readonly {
             return Err(Error::ReadOnly);
@@ -540,10 +546,19 @@ impl Store {
                 self.bytes_used -= h.len;
             }
             if h.flags & EXTENT_FLAG_DATA != 0 {
-                self.delete(
-                    tree::CSUM,
-                    &Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr),
-                )?;
+                // One checksum item for the extent, or one per piece of a
+                // preallocated extent written in place.
+                let from = Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr);
+                let to = Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr + h.len);
+                loop {
+                    let items = self.range(tree::CSUM, &from, &to, 64)?;
+                    if items.is_empty() {
+                        break;
+                    }
+                    for (k, _) in items {
+                        self.delete(tree::CSUM, &k)?;
+                    }
+                }
             }
             self.alloc.pin(h.bytenr, h.len);
         } else if new_refs != old_refs {
@@ -609,7 +624,7 @@ impl Store {
         self.sb.root_level = root.level;
         self.sb.bytes_used = self.bytes_used;
         self.sb.log_head = self.log.head_offset();
-        self.sb.incompat |= INCOMPAT_LOG_RING;
+        self.sb.incompat |= INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES;
         let supers = super_holes(self.sb.total_bytes)
             .into_iter()
             .map(|(off, _)| (off, self.sb.encode(off)))

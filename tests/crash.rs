@@ -834,6 +834,28 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "writes in place into preallocated blocks, before and after a snapshot",
+            vec![
+                Create(s("/f")),
+                Falloc(s("/f"), 0, 2 << 20, false),
+                Sync,
+                Write(s("/f"), 4096, 8192, 31),
+                Fdatasync(s("/f")),
+                Write(s("/f"), (1 << 20) - 4096, 12288, 32),
+                Write(s("/f"), 20000, 100, 33),
+                Fsync(s("/f")),
+                Snapshot("s"),
+                Write(s("/f"), 3 << 19, 4096, 34),
+                Write(s("/f"), 8192, 4096, 35),
+                Fsync(s("/f")),
+                Punch(s("/f"), 4096, 4096),
+                Write(s("/f"), 300_000, 4096, 36),
+                Fdatasync(s("/f")),
+                Truncate(s("/f"), 1 << 20),
+                Fsync(s("/f")),
+            ],
+        ),
+        (
             "hard links across dirs",
             vec![
                 Mkdir(s("/x")),

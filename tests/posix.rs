@@ -2245,6 +2245,47 @@ fn fallocate_modes() {
     m.unmount();
 }
 
+/// fallocate(2)'s promise through a mount: after fallocate took most of the free
+/// space, random 4 KiB writes (fsynced now and then) fill the whole range without
+/// ENOSPC, and the data is there after a remount.
+#[test]
+fn random_writes_fill_a_range_fallocate_took_most_of_the_free_space_for() {
+    let mut m = Mount::with_size("128M");
+    let p = m.path("f");
+    let f = open_rw_create(&p);
+    let cpath = std::ffi::CString::new(m.root().as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid path and a statvfs owned by this frame.
+    let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(cpath.as_ptr(), &mut sv) }, 0);
+    let len = sv.f_bavail * sv.f_frsize * 9 / 10 / 4096 * 4096;
+    fallocate(&f, 0, 0, len).unwrap();
+    let mut blocks: Vec<u64> = (0..len / 4096).collect();
+    let mut rng = StdRng::seed_from_u64(5);
+    for i in (1..blocks.len()).rev() {
+        blocks.swap(i, rng.gen_range(0..=i));
+    }
+    for (k, &b) in blocks.iter().enumerate() {
+        f.write_all_at(&[(b % 253) as u8; 4096], b * 4096)
+            .unwrap_or_else(|e| panic!("write {k} of {} (block {b}): {e}", blocks.len()));
+        if k % 256 == 0 {
+            f.sync_data()
+                .unwrap_or_else(|e| panic!("fdatasync after write {k}: {e}"));
+        }
+    }
+    f.sync_all().unwrap();
+    drop(f);
+    m.remount();
+    let got = fs::read(&p).unwrap();
+    assert_eq!(got.len() as u64, len);
+    for (b, block) in got.chunks(4096).enumerate() {
+        assert!(
+            block.iter().all(|&x| x == (b % 253) as u8),
+            "block {b} after remount"
+        );
+    }
+    m.unmount();
+}
+
 #[test]
 fn sparse_file_of_one_tib() {
     let mut m = Mount::new();

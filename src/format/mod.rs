@@ -50,13 +50,17 @@ pub const MAX_EXTENT_SIZE: u64 = 1 << 20;
 pub const MAX_FILE_SIZE: u64 = 1 << 50;
 
 /// Incompatible feature flags this build understands; any other bit refuses the image.
-pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE | INCOMPAT_LOG_RING;
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE | INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES;
 /// Base v1 format: CoW trees, extent refcounts, crc32c checksums, reserved log area.
 pub const INCOMPAT_BASE: u64 = 1;
 /// The log area is a ring: a generation's batches start at the superblock's
 /// `log_head`, and a batch flagged as closing its generation is followed by the next
 /// generation's (see `log`).
 pub const INCOMPAT_LOG_RING: u64 = 2;
+/// A data extent's checksums may be split over several items, each keyed by the
+/// address of its first block: a preallocated extent written in place gets one per
+/// piece written. Set by every commit, so an older build never reads such an image.
+pub const INCOMPAT_CSUM_PIECES: u64 = 4;
 
 /// Tree ids (objectids of ROOT_ITEMs in the root tree).
 pub mod tree {

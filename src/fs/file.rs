@@ -156,6 +156,35 @@ impl Inner {
         plan.execute(self.store.dev.as_ref())
     }
 
+    /// The checksum item holding disk block `addr` of data extent `extent`, as its
+    /// start and end, loaded into `sums` if it is not there yet.
+    fn csum_item_at(
+        &mut self,
+        sums: &mut std::collections::BTreeMap<u64, Vec<u8>>,
+        addr: u64,
+        extent: u64,
+    ) -> Result<(u64, u64)> {
+        let covers = |start: u64, v: &Vec<u8>| start + v.len() as u64 / 4 * BS > addr;
+        if let Some((&start, v)) = sums.range(..=addr).next_back() {
+            if covers(start, v) {
+                return Ok((start, start + v.len() as u64 / 4 * BS));
+            }
+        }
+        match self.store.seek_le(tree::CSUM, &csum_key(addr))? {
+            Some((k, v))
+                if k.objectid == objectid::CSUM
+                    && k.ty == kind::EXTENT_CSUM
+                    && k.offset >= extent
+                    && covers(k.offset, &v) =>
+            {
+                let end = k.offset + v.len() as u64 / 4 * BS;
+                sums.insert(k.offset, v);
+                Ok((k.offset, end))
+            }
+            _ => Err(Error::corrupt("data extent", extent, "no checksums")),
+        }
+    }
+
     /// Which disk blocks hold `[off, end)`, with their checksums; holes and
     /// preallocated ranges read as zeros.
     pub(crate) fn plan_range(&mut self, ino: u64, off: u64, end: u64) -> Result<ReadPlan> {
@@ -181,22 +210,31 @@ impl Inner {
                 .checked_add(fe.offset.get())
                 .filter(|d| fe.offset.get() < fe.disk_len.get() && d.checked_add(be).is_some())
                 .ok_or_else(|| Error::corrupt("file extent", ino, "points outside the device"))?;
-            if let std::collections::hash_map::Entry::Vacant(v) = plan.sums.entry(extent) {
-                let sums = self
-                    .store
-                    .search(tree::CSUM, &csum_key(extent))?
-                    .ok_or_else(|| Error::corrupt("data extent", extent, "no checksums"))?;
-                v.insert(sums);
+            // One piece per checksum item the blocks fall in: an extent has one, a
+            // preallocated one written in place one per piece written.
+            let (mut at, stop) = (disk + bs, disk + be);
+            let (mut out, mut skip, mut take) = (
+                (s - off) as usize,
+                (s - foff - bs) as usize,
+                (e - s) as usize,
+            );
+            while at < stop {
+                let (item, item_end) = self.csum_item_at(&mut plan.sums, at, extent)?;
+                let upto = stop.min(item_end);
+                let blocks_len = (upto - at) as usize;
+                let here = take.min(blocks_len - skip);
+                plan.pieces.push(ReadPiece {
+                    out,
+                    disk: at,
+                    blocks_len,
+                    skip,
+                    take: here,
+                    sums_at: item,
+                    within: at - item,
+                });
+                (out, skip, take) = (out + here, 0, take - here);
+                at = upto;
             }
-            plan.pieces.push(ReadPiece {
-                out: (s - off) as usize,
-                disk: disk + bs,
-                blocks_len: (be - bs) as usize,
-                skip: (s - foff - bs) as usize,
-                take: (e - s) as usize,
-                extent,
-                within: fe.offset.get() + bs,
-            });
         }
         Ok(plan)
     }
@@ -334,14 +372,14 @@ impl Inner {
     }
 
     /// Allocates `len` bytes of data space as one or more extents; all or nothing.
-    pub(crate) fn alloc_space(&mut self, len: u64) -> Result<Vec<(u64, u64)>> {
-        let mut space: Vec<(u64, u64)> = Vec::new();
+    pub(crate) fn alloc_space(&mut self, len: u64) -> Result<Vec<Piece>> {
+        let mut space: Vec<Piece> = Vec::new();
         let mut need = len;
         while need > 0 {
             match self.store.alloc_data(need.min(MAX_EXTENT_SIZE)) {
-                Ok((a, l)) => {
-                    space.push((a, l));
-                    need -= l;
+                Ok((addr, len)) => {
+                    space.push(Piece::new(addr, len));
+                    need -= len;
                 }
                 Err(e) => {
                     self.release_space(&space);
@@ -352,11 +390,98 @@ impl Inner {
         Ok(space)
     }
 
-    /// Returns space allocated for a write that did not happen.
-    pub(crate) fn release_space(&mut self, space: &[(u64, u64)]) {
-        for &(a, l) in space {
-            self.store.alloc.release_unused(a, l);
+    /// Returns the new space of `space` for a write that did not happen (blocks of
+    /// preallocated extents stay theirs).
+    pub(crate) fn release_space(&mut self, space: &[Piece]) {
+        for p in space.iter().filter(|p| p.into.is_none()) {
+            self.store.alloc.release_unused(p.addr, p.len);
         }
+    }
+
+    /// Whether a write may go in place into the blocks `fe` maps: a preallocated
+    /// extent made after the newest snapshot, so no snapshot holds it, and no clone
+    /// does (cloning leaves preallocated ranges out), only this file's preallocated
+    /// items. Its blocks are read by no one, so writing them changes nothing anyone
+    /// sees until the items that map them are replaced.
+    fn writable_in_place(&self, fe: &FileExtent) -> bool {
+        fe.kind == FILE_EXTENT_PREALLOC && fe.generation.get() > self.store.last_snapshot()
+    }
+
+    /// Space for `len` dirty bytes at `off` of `ino` being written back: the blocks
+    /// of preallocated extents that only this file holds, in place (so a write into
+    /// a fallocated range needs no new space, as fallocate(2) promises, and the file
+    /// keeps the layout it was given); new space for the rest. In file order; all or
+    /// nothing.
+    pub(crate) fn space_for_run(&mut self, ino: u64, off: u64, len: u64) -> Result<Vec<Piece>> {
+        let end = off + len;
+        let mut out: Vec<Piece> = Vec::new();
+        let mut pos = off;
+        let mut places = Vec::new();
+        for (foff, fe) in self.extents_in(ino, off, end)? {
+            let (s, e) = (foff.max(off), (foff + fe.num_bytes.get()).min(end));
+            if s < e && self.writable_in_place(&fe) {
+                let addr = fe.disk_bytenr.get() + fe.offset.get() + (s - foff);
+                places.push((s, e, addr, (fe.disk_bytenr.get(), fe.disk_len.get())));
+            }
+        }
+        for (s, e, addr, into) in places {
+            if s > pos {
+                match self.alloc_space(s - pos) {
+                    Ok(v) => out.extend(v),
+                    Err(err) => {
+                        self.release_space(&out);
+                        return Err(err);
+                    }
+                }
+            }
+            match out.last_mut() {
+                Some(p) if p.into == Some(into) && p.addr + p.len == addr => p.len += e - s,
+                _ => out.push(Piece {
+                    addr,
+                    len: e - s,
+                    into: Some(into),
+                }),
+            }
+            pos = e;
+        }
+        if pos < end {
+            match self.alloc_space(end - pos) {
+                Ok(v) => out.extend(v),
+                Err(err) => {
+                    self.release_space(&out);
+                    return Err(err);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the in-place pieces of `space`, for file offset `off` on, still map
+    /// onto preallocated blocks only this file holds (a snapshot taken since they
+    /// were chosen shares them).
+    fn still_in_place(&mut self, ino: u64, off: u64, space: &[Piece]) -> Result<bool> {
+        let mut pos = off;
+        for p in space {
+            if let Some((b, _)) = p.into {
+                let mut at = pos;
+                for (foff, fe) in self.extents_in(ino, pos, pos + p.len)? {
+                    let s = foff.max(pos);
+                    if s != at
+                        || !self.writable_in_place(&fe)
+                        || fe.disk_bytenr.get() != b
+                        || fe.disk_bytenr.get() + fe.offset.get() + (s - foff) != p.addr + (s - pos)
+                    {
+                        return Ok(false);
+                    }
+                    at = (foff + fe.num_bytes.get()).min(pos + p.len);
+                }
+                if at != pos + p.len {
+                    return Ok(false);
+                }
+            }
+            pos += p.len;
+        }
+        Ok(true)
     }
 
     /// A file extent of `kind` that maps all `len` bytes of new space at `addr`, made
@@ -373,27 +498,43 @@ impl Inner {
         }
     }
 
-    /// Maps `space` (already holding the data, with `sums` per extent) at
+    /// Maps `space` (already holding the data, with `sums` per piece) at
     /// block-aligned `off`, replacing what was there.
     fn map_blocks(
         &mut self,
         ino: u64,
         i: &mut InodeItem,
         off: u64,
-        space: &[(u64, u64)],
+        space: &[Piece],
         sums: Vec<Vec<u8>>,
     ) -> Result<()> {
-        let len: u64 = space.iter().map(|s| s.1).sum();
+        let len: u64 = space.iter().map(|p| p.len).sum();
+        // A preallocated extent written in place gets its new reference before the
+        // items it replaces drop theirs, so its count never passes through zero.
+        for p in space {
+            if let Some((b, l)) = p.into {
+                self.store.data_ref(b, l, 1);
+            }
+        }
         let dropped = self.drop_range(ino, off, off + len)?;
         let mut nbytes = i.nbytes.get().saturating_sub(dropped);
         let mut pos = off;
-        for (&(addr, got), sums) in space.iter().zip(sums) {
-            self.store.insert(tree::CSUM, csum_key(addr), sums)?;
-            let fe = self.whole_extent(FILE_EXTENT_REG, addr, got);
+        for (p, sums) in space.iter().zip(sums) {
+            self.store.insert(tree::CSUM, csum_key(p.addr), sums)?;
+            let fe = match p.into {
+                None => self.whole_extent(FILE_EXTENT_REG, p.addr, p.len),
+                Some((b, l)) => FileExtent {
+                    offset: (p.addr - b).into(),
+                    num_bytes: p.len.into(),
+                    ..self.whole_extent(FILE_EXTENT_REG, b, l)
+                },
+            };
             self.put_extent(ino, pos, &fe)?;
-            self.store.data_ref(addr, got, 1);
-            nbytes += got;
-            pos += got;
+            if p.into.is_none() {
+                self.store.data_ref(p.addr, p.len, 1);
+            }
+            nbytes += p.len;
+            pos += p.len;
         }
         i.nbytes = nbytes.into();
         Ok(())
@@ -414,18 +555,38 @@ impl Inner {
         self.map_blocks(ino, i, off, &space, sums)
     }
 
-    /// Checks a cached write of `ino` that needs up to `room` bytes of free space
-    /// (its own worst case plus every dirty block); returns the file size. The tree
-    /// nodes that writeback will copy get a margin on top (1/32: checksums, extent
-    /// items and the nodes holding them), so the reservation holds at writeback.
+    /// Checks a cached write of `ino` that dirties at most the blocks of `span`
+    /// (byte range), with `dirty` bytes already dirty in the cache; returns the file
+    /// size. Room is needed for the span and every dirty block, and for the tree
+    /// nodes that writeback will copy a margin on top (1/32: checksums, extent items
+    /// and the nodes holding them), so the reservation holds at writeback. Blocks
+    /// that writeback will write in place (preallocated, see
+    /// [`Inner::space_for_run`]) need no room: a write all over them is refused only
+    /// when its margin would take more than half the metadata reserve.
     /// A write ending at `end` is noted as under way, its size counted before any of
     /// its blocks reaches the cache (writeback mapping them must know the size they
     /// lie within); [`Inner::note_write`] ends it.
-    pub(crate) fn write_begin(&mut self, ino: u64, room: u64, end: Option<u64>) -> Result<u64> {
+    pub(crate) fn write_begin(
+        &mut self,
+        ino: u64,
+        span: (u64, u64),
+        dirty: u64,
+        end: Option<u64>,
+    ) -> Result<u64> {
         self.store.writable()?;
         let i = self.check_file(ino)?;
-        if !self.store.alloc.has_room(room + room / 32 + 2 * BS) {
-            return Err(Error::NoSpace);
+        let margin = |room: u64| room + room / 32 + 2 * BS;
+        let worst = span.1 - span.0;
+        if !self.store.alloc.has_room(margin(worst + dirty)) {
+            let own = worst - self.in_place_bytes(ino, span.0, span.1)?;
+            let fits = if own == 0 {
+                self.store.alloc.has_metadata_room(margin(worst) - worst)
+            } else {
+                self.store.alloc.has_room(margin(own + dirty))
+            };
+            if !fits {
+                return Err(Error::NoSpace);
+            }
         }
         if let Some(end) = end {
             // Without an entry, the item read is the stored one.
@@ -437,6 +598,19 @@ impl Inner {
             p.writing = true;
         }
         Ok(i.size.get())
+    }
+
+    /// Bytes of `[start, end)` of `ino` that writeback would write in place.
+    fn in_place_bytes(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
+        Ok(self
+            .extents_in(ino, start, end)?
+            .iter()
+            .filter(|(_, fe)| self.writable_in_place(fe))
+            .map(|(at, fe)| {
+                let (a, b) = ((*at).max(start), (at + fe.num_bytes.get()).min(end));
+                b.saturating_sub(a)
+            })
+            .sum())
     }
 
     /// Ends a cached write of `ino` begun at size `before` that copied up to `end`
@@ -469,21 +643,32 @@ impl Inner {
         Ok(())
     }
 
-    /// Maps runs written back to `ino`: (file offset, extents holding the data, their
-    /// checksums). Releases the space if the inode is gone.
-    pub(crate) fn map_written(&mut self, ino: u64, placed: Vec<WrittenRun>) -> Result<()> {
+    /// Maps runs written back to `ino`: (file offset, space holding the data, its
+    /// checksums). Releases the new space and maps nothing if the inode is gone, or
+    /// if in-place pieces are no longer only this file's (then returns false: the
+    /// caller writes the runs again).
+    pub(crate) fn map_written(&mut self, ino: u64, placed: Vec<WrittenRun>) -> Result<bool> {
+        let release = |me: &mut Inner, placed: &[WrittenRun]| {
+            for (_, space, _) in placed {
+                me.release_space(space);
+            }
+        };
         let mut i = match self.get_inode_opt(ino)? {
             Some(i) => i,
             None => {
-                for (_, space, _) in &placed {
-                    self.release_space(space);
-                }
-                return Ok(());
+                release(self, &placed);
+                return Ok(true);
             }
         };
+        for (off, space, _) in &placed {
+            if !self.still_in_place(ino, *off, space)? {
+                release(self, &placed);
+                return Ok(false);
+            }
+        }
         let mut end = 0;
         for (off, space, sums) in placed {
-            end = end.max(off + space.iter().map(|&(_, len)| len).sum::<u64>());
+            end = end.max(off + space.iter().map(|p| p.len).sum::<u64>());
             self.map_blocks(ino, &mut i, off, &space, sums)?;
         }
         // Writeback takes a file's dirty blocks in file order, so every block below
@@ -493,7 +678,7 @@ impl Inner {
         }
         self.put_inode(ino, &mut i)?;
         self.store.log.mark_data(ino);
-        Ok(())
+        Ok(true)
     }
 
     /// Puts the pending size and times of `ino` into its inode item (the size up to
@@ -566,7 +751,7 @@ impl Inner {
                 let (addr, got) = self.store.alloc_data((e - s).min(MAX_EXTENT_SIZE))?;
                 let fe = self.whole_extent(FILE_EXTENT_PREALLOC, addr, got);
                 if let Err(err) = self.put_extent(ino, s, &fe) {
-                    self.release_space(&[(addr, got)]);
+                    self.release_space(&[Piece::new(addr, got)]);
                     return Err(err);
                 }
                 self.store.data_ref(addr, got, 1);
@@ -640,7 +825,8 @@ impl Inner {
                 holes.push((pos, be));
             }
             let need: u64 = holes.iter().map(|(s, e)| e - s).sum();
-            if !self.store.alloc.has_room(need) {
+            // Dirty cached blocks were promised room when they were written.
+            if !self.store.alloc.has_room(need + self.cache.dirty_bytes()) {
                 return Err(Error::NoSpace);
             }
             // The tree's growth under this loop can take the room checked above. The
@@ -666,27 +852,47 @@ impl Inner {
     }
 }
 
-/// A run written back: its file offset, the extents holding it, their checksums.
-pub(crate) type WrittenRun = (u64, Vec<(u64, u64)>, Vec<Vec<u8>>);
+/// Where part of a write goes: `len` bytes at `addr`, in new space, or in place in
+/// the preallocated disk extent `into` (start, length).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub addr: u64,
+    pub len: u64,
+    pub into: Option<(u64, u64)>,
+}
 
-/// Writes `buf` into the extents of `space`, in order; returns each extent's
+impl Piece {
+    /// A piece of new space.
+    pub(crate) fn new(addr: u64, len: u64) -> Piece {
+        Piece {
+            addr,
+            len,
+            into: None,
+        }
+    }
+}
+
+/// A run written back: its file offset, the pieces holding it, their checksums.
+pub(crate) type WrittenRun = (u64, Vec<Piece>, Vec<Vec<u8>>);
+
+/// Writes `buf` into the pieces of `space`, in order; returns each piece's
 /// checksums. Needs no lock: the space belongs to the caller until it is mapped.
 pub(crate) fn write_extents(
     dev: &dyn BlockDev,
     stats: &Stats,
-    space: &[(u64, u64)],
+    space: &[Piece],
     buf: &[u8],
 ) -> Result<Vec<Vec<u8>>> {
     let mut all = write_runs_to(dev, stats, &[(space, buf)])?;
     Ok(all.pop().unwrap_or_default())
 }
 
-/// A run to write: the extents (address, length) that hold it, and its bytes.
-pub(crate) type RunToWrite<'a> = (&'a [(u64, u64)], &'a [u8]);
+/// A run to write: the pieces that hold it, and its bytes.
+pub(crate) type RunToWrite<'a> = (&'a [Piece], &'a [u8]);
 
-/// Writes each `(space, buf)` run as [`write_extents`] does, with every extent's
+/// Writes each `(space, buf)` run as [`write_extents`] does, with every piece's
 /// write of every run handed to the device at once (so it may keep them all in
-/// flight); returns the checksums per run, per extent.
+/// flight); returns the checksums per run, per piece.
 pub(crate) fn write_runs_to(
     dev: &dyn BlockDev,
     stats: &Stats,
@@ -695,9 +901,9 @@ pub(crate) fn write_runs_to(
     let mut writes: Vec<(&[u8], u64)> = Vec::new();
     for &(space, buf) in runs {
         let mut pos = 0usize;
-        for &(addr, got) in space {
-            writes.push((&buf[pos..pos + got as usize], addr));
-            pos += got as usize;
+        for p in space {
+            writes.push((&buf[pos..pos + p.len as usize], p.addr));
+            pos += p.len as usize;
         }
     }
     dev.write_many(&writes)?;
@@ -737,9 +943,9 @@ struct ReadPiece {
     skip: usize,
     /// Bytes wanted.
     take: usize,
-    /// The disk extent, whose checksum item covers these blocks.
-    extent: u64,
-    /// Offset of the first block within the extent.
+    /// Start of the checksum item that covers these blocks.
+    sums_at: u64,
+    /// Offset of the first block from that start.
     within: u64,
 }
 
@@ -749,7 +955,8 @@ struct ReadPiece {
 pub(crate) struct ReadPlan {
     len: usize,
     pieces: Vec<ReadPiece>,
-    sums: std::collections::HashMap<u64, Vec<u8>>,
+    /// Checksum items by start.
+    sums: std::collections::BTreeMap<u64, Vec<u8>>,
 }
 
 impl ReadPlan {
@@ -879,16 +1086,14 @@ impl ReadPlan {
     /// Checks blocks of piece `p` from byte `from` on (a block boundary), read into
     /// `buf`, against their checksums.
     fn verify_from(&self, p: &ReadPiece, from: usize, buf: &[u8]) -> Result<()> {
-        let sums = &self.sums[&p.extent];
+        let sums = &self.sums[&p.sums_at];
         let (within, disk) = (p.within + from as u64, p.disk + from as u64);
         for (n, block) in buf.chunks(BS as usize).enumerate() {
             let idx = (within / BS) as usize + n;
             let want = sums
                 .get(idx * 4..idx * 4 + 4)
                 .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
-                .ok_or_else(|| {
-                    Error::corrupt("data extent", p.extent, "checksum item too short")
-                })?;
+                .ok_or_else(|| Error::corrupt("checksum item", p.sums_at, "too short"))?;
             if csum(block) != want {
                 let e = Error::corrupt("data block", disk + n as u64 * BS, "checksum mismatch");
                 tracing::error!("{e}");

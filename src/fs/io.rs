@@ -167,13 +167,13 @@ impl Fs {
         }
         let cache = &self.cache;
         let fsz = cache.folio_size();
-        let worst = if cache.opts().block_dirty {
-            end.div_ceil(BS) * BS - offset / BS * BS
+        let span = if cache.opts().block_dirty {
+            (offset / BS * BS, end.div_ceil(BS) * BS)
         } else {
-            end.div_ceil(fsz) * fsz - offset / fsz * fsz
+            (offset / fsz * fsz, end.div_ceil(fsz) * fsz)
         };
         let size = self.with_space(|i| {
-            i.write_begin(ino, worst + cache.dirty_bytes(), (len > 0).then_some(end))
+            i.write_begin(ino, span, cache.dirty_bytes(), (len > 0).then_some(end))
         })?;
         if len == 0 {
             return Ok(0);
@@ -722,46 +722,66 @@ impl Fs {
         Ok(done)
     }
 
-    /// Allocates space for each run, writes the runs there and maps them in the file.
+    /// Finds space for each run (in place over the file's own preallocated blocks,
+    /// new elsewhere), writes the runs there and maps them in the file.
     fn write_runs(&self, ino: u64, runs: &[DirtyRun]) -> Result<()> {
-        let spaces = self.with_space(|i| {
-            let mut v: Vec<Vec<(u64, u64)>> = Vec::new();
-            for r in runs {
-                match i.alloc_space(r.buf.len() as u64) {
-                    Ok(s) => v.push(s),
-                    Err(e) => {
-                        for s in &v {
-                            i.release_space(s);
+        // A snapshot taken while the runs were written shares the preallocated blocks
+        // they went to in place: then they are written again, to new space (the
+        // snapshot reads those blocks as zeros whatever they hold). Only a snapshot
+        // can take them, and the second plan does not choose its blocks again.
+        for _ in 0..3 {
+            let spaces = self.with_space(|i| {
+                let mut v: Vec<Vec<super::file::Piece>> = Vec::new();
+                for r in runs {
+                    match i.space_for_run(ino, r.off, r.buf.len() as u64) {
+                        Ok(s) => v.push(s),
+                        Err(e) => {
+                            for s in &v {
+                                i.release_space(s);
+                            }
+                            return Err(e);
                         }
-                        return Err(e);
                     }
                 }
-            }
-            Ok(v)
-        })?;
-        let batch: Vec<super::file::RunToWrite> = runs
-            .iter()
-            .zip(&spaces)
-            .map(|(r, s)| (s.as_slice(), &r.buf[..]))
-            .collect();
-        let sums = match super::file::write_runs_to(self.dev.as_ref(), &self.stats, &batch) {
-            Ok(s) => s,
-            Err(e) => {
-                let mut g = self.inner.lock();
-                for s in &spaces {
-                    g.release_space(s);
+                if v.iter().flatten().any(|p| p.into.is_some()) {
+                    i.store.alloc.begin_in_place();
                 }
-                return Err(e);
+                Ok(v)
+            })?;
+            let in_place = spaces.iter().flatten().any(|p| p.into.is_some());
+            let batch: Vec<super::file::RunToWrite> = runs
+                .iter()
+                .zip(&spaces)
+                .map(|(r, s)| (s.as_slice(), &r.buf[..]))
+                .collect();
+            let written = super::file::write_runs_to(self.dev.as_ref(), &self.stats, &batch);
+            if in_place {
+                self.inner.lock().store.alloc.end_in_place();
             }
-        };
-        Stats::add(&self.stats.writeback_runs, runs.len() as u64);
-        let placed: Vec<super::file::WrittenRun> = runs
-            .iter()
-            .zip(spaces)
-            .zip(sums)
-            .map(|((r, s), c)| (r.off, s, c))
-            .collect();
-        self.with(|i| i.map_written(ino, placed))
+            let sums = match written {
+                Ok(s) => s,
+                Err(e) => {
+                    let mut g = self.inner.lock();
+                    for s in &spaces {
+                        g.release_space(s);
+                    }
+                    return Err(e);
+                }
+            };
+            Stats::add(&self.stats.writeback_runs, runs.len() as u64);
+            let placed: Vec<super::file::WrittenRun> = runs
+                .iter()
+                .zip(spaces)
+                .zip(sums)
+                .map(|((r, s), c)| (r.off, s, c))
+                .collect();
+            if self.with(|i| i.map_written(ino, placed))? {
+                return Ok(());
+            }
+        }
+        Err(Error::Io(std::io::Error::other(
+            "snapshots kept taking the preallocated blocks a writeback went to",
+        )))
     }
 
     /// Writes back every dirty block of every file; returns the first error after
