@@ -25,6 +25,8 @@ enum Op {
     Truncate(String, u64),
     Punch(String, u64, u64),
     Falloc(String, u64, u64, bool),
+    /// fallocate ZERO_RANGE (keep size if true).
+    Zero(String, u64, u64, bool),
     Link(String, String),
     Unlink(String),
     Rmdir(String),
@@ -100,9 +102,11 @@ impl Model {
         let free = |p: &String| !self.names.contains_key(p) && self.is_dir(&Model::parent(p));
         match op {
             Op::Create(p) | Op::Mkdir(p) => free(p),
-            Op::Write(p, ..) | Op::Truncate(p, _) | Op::Punch(p, ..) | Op::Falloc(p, ..) => {
-                self.is_file(p)
-            }
+            Op::Write(p, ..)
+            | Op::Truncate(p, _)
+            | Op::Punch(p, ..)
+            | Op::Falloc(p, ..)
+            | Op::Zero(p, ..) => self.is_file(p),
             Op::Link(a, b) => self.is_file(a) && free(b),
             Op::Clone(a, b) => self.is_file(a) && self.is_file(b) && self.names[a] != self.names[b],
             Op::Unlink(p) => self.is_file(p),
@@ -162,6 +166,15 @@ impl Model {
                 let d = &mut self.nodes.get_mut(&self.names[p]).unwrap().data;
                 if !keep && d.len() < (off + len) as usize {
                     d.resize((off + len) as usize, 0);
+                }
+            }
+            Op::Zero(p, off, len, keep) => {
+                let d = &mut self.nodes.get_mut(&self.names[p]).unwrap().data;
+                let (s, e) = (*off as usize, (off + len) as usize);
+                let n = d.len();
+                d[s.min(n)..e.min(n)].fill(0);
+                if !keep && n < e {
+                    d.resize(e, 0);
                 }
             }
             Op::Link(a, b) => {
@@ -280,11 +293,12 @@ fn exec(fs: &Fs, op: &Op) {
                 FallocMode {
                     keep_size: true,
                     punch_hole: true,
+                    zero_range: false,
                 },
             )
             .unwrap();
         }
-        Op::Falloc(p, off, len, keep) => {
+        Op::Falloc(p, off, len, keep) | Op::Zero(p, off, len, keep) => {
             fs.fallocate(
                 ino(p),
                 *off,
@@ -292,6 +306,7 @@ fn exec(fs: &Fs, op: &Op) {
                 FallocMode {
                     keep_size: *keep,
                     punch_hole: false,
+                    zero_range: matches!(op, Op::Zero(..)),
                 },
             )
             .unwrap();
@@ -856,6 +871,22 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "zero ranges over data, holes and preallocated blocks, then writes into them",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 100_000, 41),
+                Sync,
+                Zero(s("/f"), 5000, 30_000, true),
+                Fdatasync(s("/f")),
+                Zero(s("/f"), 90_000, 40_000, false),
+                Write(s("/f"), 12_288, 4096, 42),
+                Fsync(s("/f")),
+                Zero(s("/f"), 0, 200_000, true),
+                Write(s("/f"), 100_000, 9000, 43),
+                Fdatasync(s("/f")),
+            ],
+        ),
+        (
             "hard links across dirs",
             vec![
                 Mkdir(s("/x")),
@@ -1009,7 +1040,13 @@ fn generated_sequences_survive_every_power_cut() {
                 5 => Op::Rename(f, g),
                 6 => Op::Punch(f, rng.gen_range(0..20000), rng.gen_range(1..10000)),
                 7 => Op::SetXattr(f, "user.k", vec![rng.gen(); 40]),
-                8 => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
+                8 if rng.gen() => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
+                8 => Op::Zero(
+                    f,
+                    rng.gen_range(0..20000),
+                    rng.gen_range(1..30000),
+                    rng.gen(),
+                ),
                 9 => Op::Clone(f, g),
                 10 => Op::Snapshot(if rng.gen() { "s" } else { "t" }),
                 11 => Op::DeleteSnapshot(if rng.gen() { "s" } else { "t" }),
@@ -1024,7 +1061,8 @@ fn generated_sequences_survive_every_power_cut() {
                     | Op::Truncate(p, _)
                     | Op::Punch(p, ..)
                     | Op::SetXattr(p, ..)
-                    | Op::Falloc(p, ..) => p.clone(),
+                    | Op::Falloc(p, ..)
+                    | Op::Zero(p, ..) => p.clone(),
                     _ => s("/d"),
                 };
                 ops.push(op);

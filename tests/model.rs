@@ -24,6 +24,8 @@ enum Op {
     Write(usize, u32, u32, u8),
     Truncate(usize, u32),
     Punch(usize, u32, u32),
+    /// fallocate: allocate (0, 1) or zero (2, 3), keeping the size (0, 2) or not.
+    Falloc(usize, u32, u32, u8),
     Unlink(usize),
     Link(usize, usize, usize),
     Rename(usize, usize, usize),
@@ -51,6 +53,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (pick.clone(), 0..300_000u32, 1..70_000u32, any::<u8>()).prop_map(|(p, o, l, b)| Op::Write(p, o, l, b)),
         1 => (pick.clone(), 0..300_000u32).prop_map(|(p, s)| Op::Truncate(p, s)),
         1 => (pick.clone(), 0..300_000u32, 1..100_000u32).prop_map(|(p, o, l)| Op::Punch(p, o, l)),
+        1 => (pick.clone(), 0..300_000u32, 1..100_000u32, 0..4u8)
+            .prop_map(|(p, o, l, m)| Op::Falloc(p, o, l, m)),
         1 => pick.clone().prop_map(Op::Unlink),
         1 => (pick.clone(), d.clone(), n.clone()).prop_map(|(p, d, n)| Op::Link(p, d, n)),
         1 => (pick.clone(), d, n).prop_map(|(p, d, n)| Op::Rename(p, d, n)),
@@ -200,6 +204,7 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
             let mode = FallocMode {
                 keep_size: true,
                 punch_hole: true,
+                zero_range: false,
             };
             w.fs()
                 .fallocate(w.ino(&path), *off as u64, *len as u64, mode)
@@ -208,6 +213,28 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
             let s = (*off as usize).min(f.len());
             let e = ((*off + *len) as usize).min(f.len());
             f[s..e].fill(0);
+        }
+        Op::Falloc(p, off, len, how) => {
+            let Some(path) = m.pick(*p) else { return };
+            let id = m.names[&path];
+            let mode = FallocMode {
+                keep_size: how % 2 == 0,
+                punch_hole: false,
+                zero_range: *how >= 2,
+            };
+            w.fs()
+                .fallocate(w.ino(&path), *off as u64, *len as u64, mode)
+                .unwrap();
+            let f = m.files.get_mut(&id).unwrap();
+            let end = (*off + *len) as usize;
+            if mode.zero_range {
+                let s = (*off as usize).min(f.len());
+                let e = end.min(f.len());
+                f[s..e].fill(0);
+            }
+            if !mode.keep_size && end > f.len() {
+                f.resize(end, 0);
+            }
         }
         Op::Unlink(p) => {
             let Some(path) = m.pick(*p) else { return };

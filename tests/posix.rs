@@ -2245,6 +2245,43 @@ fn fallocate_modes() {
     m.unmount();
 }
 
+/// FALLOC_FL_ZERO_RANGE through a mount: zeros over data (partial blocks too),
+/// the size kept with KEEP_SIZE and grown without it, and the same after a remount.
+#[test]
+fn fallocate_zero_range() {
+    let mut m = Mount::new();
+    let p = m.path("z");
+    let f = open_rw_create(&p);
+    let mut expected = Vec::with_capacity(3 * MB);
+    for k in 0..3 {
+        expected.extend_from_slice(pattern(81 + k, MB));
+    }
+    f.write_all_at(&expected, 0).unwrap();
+    f.sync_all().unwrap();
+    fallocate(&f, libc::FALLOC_FL_ZERO_RANGE, 10_000, MIB).unwrap();
+    expected[10_000..10_000 + MB].fill(0);
+    fallocate(&f, libc::FALLOC_FL_ZERO_RANGE, 2 * MIB + 5, 100).unwrap();
+    expected[2 * MB + 5..2 * MB + 105].fill(0);
+    let zk = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+    fallocate(&f, zk, 3 * MIB - 4096, MIB).unwrap();
+    expected[3 * MB - 4096..].fill(0);
+    assert_eq!(f.metadata().unwrap().len(), 3 * MIB, "KEEP_SIZE");
+    let mut got = vec![0u8; 3 * MB];
+    f.read_exact_at(&mut got, 0).unwrap();
+    assert_bytes_eq(&got, &expected, 0, "after zero ranges");
+    fallocate(&f, libc::FALLOC_FL_ZERO_RANGE, 3 * MIB - 100, 200).unwrap();
+    expected.resize(3 * MB + 100, 0);
+    assert_eq!(f.metadata().unwrap().len(), 3 * MIB + 100, "grown");
+    // Written again where it was zeroed.
+    f.write_all_at(pattern(82, 8192), 20_480).unwrap();
+    expected[20_480..20_480 + 8192].copy_from_slice(pattern(82, 8192));
+    drop(f);
+    m.remount();
+    let got = fs::read(&p).unwrap();
+    assert_bytes_eq(&got, &expected, 0, "after remount");
+    m.unmount();
+}
+
 /// fallocate(2)'s promise through a mount: after fallocate took most of the free
 /// space, random 4 KiB writes (fsynced now and then) fill the whole range without
 /// ENOSPC, and the data is there after a remount.

@@ -285,6 +285,7 @@ fn truncate_and_punch_meet_cached_data() {
     let punch = FallocMode {
         keep_size: true,
         punch_hole: true,
+        zero_range: false,
     };
     fs.fallocate(ino, 12_000, 9_000, punch).unwrap();
     want[12_000..21_000].fill(0);

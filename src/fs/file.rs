@@ -773,6 +773,9 @@ impl Inner {
         if len == 0 {
             return Err(Error::Invalid("zero length"));
         }
+        if mode.punch_hole && mode.zero_range {
+            return Err(Error::Invalid("punch_hole with zero_range"));
+        }
         let end = off.checked_add(len).ok_or(Error::TooBig)?;
         if end > MAX_FILE_SIZE {
             return Err(Error::TooBig);
@@ -786,24 +789,8 @@ impl Inner {
             // end are zeroed by a CoW rewrite, whole blocks are dropped.
             let end = end.min(round_up(i.size.get()));
             if off < end {
-                let bs = round_up(off);
-                let be = end / BS * BS;
-                let partials = if bs <= be {
-                    [(off, bs), (be, end)]
-                } else {
-                    [(off, end), (0, 0)]
-                };
-                for (s, e) in partials {
-                    if s < e {
-                        let b0 = s / BS * BS;
-                        let mut block = self.read_range(ino, b0, b0 + BS)?;
-                        let r = (s - b0) as usize..(e - b0) as usize;
-                        if block[r.clone()].iter().any(|&b| b != 0) {
-                            block[r].fill(0);
-                            self.write_blocks(ino, &mut i, b0, &block)?;
-                        }
-                    }
-                }
+                self.zero_partial_blocks(ino, &mut i, off, end)?;
+                let (bs, be) = (round_up(off), end / BS * BS);
                 if bs < be {
                     let dropped = self.drop_range(ino, bs, be)?;
                     i.nbytes = i.nbytes.get().saturating_sub(dropped).into();
@@ -811,23 +798,47 @@ impl Inner {
             }
         } else {
             self.need_room()?;
-            let bs = off / BS * BS;
-            let be = round_up(end);
+            // Allocation covers every block the range touches; zeroing, the whole
+            // blocks inside it (its partial blocks are zeroed in place).
+            let (bs, be) = if mode.zero_range {
+                (round_up(off), end / BS * BS)
+            } else {
+                (off / BS * BS, round_up(end))
+            };
             let mut holes = Vec::new();
+            let mut written = Vec::new();
             let mut pos = bs;
-            for (foff, fe) in self.extents_in(ino, bs, be)? {
-                if foff > pos {
-                    holes.push((pos, foff.min(be)));
+            for (foff, fe) in self.extents_in(ino, bs, be.max(bs))? {
+                let (s, e) = (foff.max(bs), (foff + fe.num_bytes.get()).min(be));
+                if s > pos {
+                    holes.push((pos, s));
                 }
-                pos = pos.max(foff + fe.num_bytes.get());
+                if mode.zero_range && fe.kind != FILE_EXTENT_PREALLOC && s < e {
+                    written.push((s, e));
+                }
+                pos = pos.max(e);
             }
             if pos < be {
                 holes.push((pos, be));
             }
+            // Written blocks being zeroed become holes to preallocate; their space
+            // comes back only with a commit, so the new space is checked for first.
+            holes.extend(written.iter().copied());
+            holes.sort_unstable();
             let need: u64 = holes.iter().map(|(s, e)| e - s).sum();
             // Dirty cached blocks were promised room when they were written.
             if !self.store.alloc.has_room(need + self.cache.dirty_bytes()) {
                 return Err(Error::NoSpace);
+            }
+            if mode.zero_range {
+                let size_end = end.min(round_up(i.size.get()));
+                if off < size_end {
+                    self.zero_partial_blocks(ino, &mut i, off, size_end)?;
+                }
+                for &(s, e) in &written {
+                    let dropped = self.drop_range(ino, s, e)?;
+                    i.nbytes = i.nbytes.get().saturating_sub(dropped).into();
+                }
             }
             // The tree's growth under this loop can take the room checked above. The
             // extents made before an allocation fails stay (preallocated, as on ext4)
@@ -848,6 +859,36 @@ impl Inner {
         i.ctime = now;
         self.put_inode(ino, &mut i)?;
         self.store.log.mark_data(ino);
+        Ok(())
+    }
+
+    /// Zeroes the parts of `[off, end)` (inside the file) that cover blocks only
+    /// partly, by a copy-on-write rewrite of those blocks where they hold data.
+    fn zero_partial_blocks(
+        &mut self,
+        ino: u64,
+        i: &mut InodeItem,
+        off: u64,
+        end: u64,
+    ) -> Result<()> {
+        let bs = round_up(off);
+        let be = end / BS * BS;
+        let partials = if bs <= be {
+            [(off, bs), (be, end)]
+        } else {
+            [(off, end), (0, 0)]
+        };
+        for (s, e) in partials {
+            if s < e {
+                let b0 = s / BS * BS;
+                let mut block = self.read_range(ino, b0, b0 + BS)?;
+                let r = (s - b0) as usize..(e - b0) as usize;
+                if block[r.clone()].iter().any(|&b| b != 0) {
+                    block[r].fill(0);
+                    self.write_blocks(ino, i, b0, &block)?;
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -1008,7 +1008,8 @@ impl Fs {
         self.with_space(|i| i.setattr(ino, set))
     }
 
-    /// Allocates, or with `punch_hole` deallocates, a range.
+    /// Allocates, or with `punch_hole` deallocates, or with `zero_range` zeroes and
+    /// allocates, a range.
     pub fn fallocate(
         &self,
         ino: u64,
@@ -1020,7 +1021,7 @@ impl Fs {
         let _f = self.file_lock(ino).write();
         let _w = self.wb_lock(ino).lock();
         if self.with(|i| i.check_file(ino)).is_ok() {
-            let from = if mode.punch_hole {
+            let from = if mode.punch_hole || mode.zero_range {
                 offset / self.cache.folio_size()
             } else {
                 u64::MAX

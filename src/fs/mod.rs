@@ -119,6 +119,8 @@ pub struct FallocMode {
     pub keep_size: bool,
     /// Deallocate the range (FALLOC_FL_PUNCH_HOLE; needs keep_size).
     pub punch_hole: bool,
+    /// Zero the range, its whole blocks preallocated (FALLOC_FL_ZERO_RANGE).
+    pub zero_range: bool,
 }
 
 /// One mapped range of a file (like FIEMAP).

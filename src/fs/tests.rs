@@ -215,6 +215,7 @@ fn truncate_punch_fallocate() {
         FallocMode {
             keep_size: true,
             punch_hole: true,
+            zero_range: false,
         },
     )
     .unwrap();
@@ -235,6 +236,7 @@ fn truncate_punch_fallocate() {
         FallocMode {
             keep_size: true,
             punch_hole: false,
+            zero_range: false,
         },
     )
     .unwrap();
@@ -602,6 +604,7 @@ fn fallocate_that_runs_out_of_space_leaves_a_consistent_image() {
     let keep = FallocMode {
         keep_size: true,
         punch_hole: false,
+        zero_range: false,
     };
     let mut failed = 0;
     for n in 0..20_000u64 {
@@ -661,6 +664,7 @@ fn truncate_into_a_block_on_a_full_disk_keeps_nbytes_right() {
 const ALLOCATE: FallocMode = FallocMode {
     keep_size: false,
     punch_hole: false,
+    zero_range: false,
 };
 
 /// Whether every written extent of `ino` lies in the disk ranges of `prealloc`.
@@ -745,6 +749,7 @@ fn in_place_pieces_are_read_punched_and_freed_like_any_extent() {
     let punch = FallocMode {
         keep_size: true,
         punch_hole: true,
+        zero_range: false,
     };
     fs.fallocate(f, 8192, 64 * 1024, punch).unwrap();
     want[8192..8192 + 64 * 1024].fill(0);
@@ -809,5 +814,82 @@ fn preallocated_blocks_a_snapshot_holds_are_not_written_in_place() {
     let mut old = vec![0u8; 2 * MB as usize];
     old[..4096].copy_from_slice(&pattern(4096, 9));
     assert!(read_all(&fs, sf) == old);
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}
+
+const ZERO: FallocMode = FallocMode {
+    keep_size: false,
+    punch_hole: false,
+    zero_range: true,
+};
+
+/// FALLOC_FL_ZERO_RANGE: the range reads as zeros (partial blocks zeroed, whole
+/// ones preallocated in place of their data), the size grows past the end only
+/// without KEEP_SIZE, and the preallocated blocks are then written in place with
+/// no new space.
+#[test]
+fn zero_range_zeroes_and_preallocates() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let mut want = pattern(300_000, 3);
+    fs.write(f, 0, &want).unwrap();
+    fs.commit().unwrap();
+    // Inside the file, unaligned at both ends.
+    fs.fallocate(f, 5_000, 100_000, ZERO).unwrap();
+    want[5_000..105_000].fill(0);
+    assert_eq!(read_all(&fs, f), want);
+    let map = fs.extent_map(f).unwrap();
+    let zeroed: Vec<&ExtentInfo> = map
+        .iter()
+        .filter(|e| e.offset < 102_400 && e.offset + e.len > 8192)
+        .collect();
+    assert!(
+        zeroed
+            .iter()
+            .all(|e| e.prealloc && e.offset >= 8192 && e.offset + e.len <= 102_400),
+        "whole blocks of the range are preallocated: {zeroed:?}"
+    );
+    // Within one block.
+    fs.fallocate(f, 200_001, 10, ZERO).unwrap();
+    want[200_001..200_011].fill(0);
+    // Past the end, with and without KEEP_SIZE.
+    let keep = FallocMode {
+        keep_size: true,
+        ..ZERO
+    };
+    fs.fallocate(f, 290_000, 50_000, keep).unwrap();
+    want[290_000..].fill(0);
+    assert_eq!(fs.getattr(f).unwrap().size, 300_000);
+    assert_eq!(read_all(&fs, f), want);
+    fs.fallocate(f, 299_000, 20_000, ZERO).unwrap();
+    want.resize(319_000, 0);
+    assert_eq!(fs.getattr(f).unwrap().size, 319_000);
+    assert_eq!(read_all(&fs, f), want);
+    // The zeroed range is written in place.
+    let before = fs.extent_map(f).unwrap();
+    fs.write(f, 16_384, &pattern(8192, 9)).unwrap();
+    want[16_384..24_576].copy_from_slice(&pattern(8192, 9));
+    fs.fsync(f, false).unwrap();
+    assert!(all_within(&fs, f, &before));
+    let fs = remount(&dev, fs);
+    assert_eq!(read_all(&fs, f), want);
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}
+
+/// A zero range that needs more new space than there is fails with ENOSPC before
+/// it changes anything.
+#[test]
+fn zero_range_without_room_changes_nothing() {
+    let (dev, fs) = mk(32 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let data = pattern(
+        (fs.statfs().bavail * 4096 * 2 / 3) as usize / 4096 * 4096,
+        4,
+    );
+    fs.write(f, 0, &data).unwrap();
+    fs.commit().unwrap();
+    let r = fs.fallocate(f, 0, data.len() as u64, ZERO);
+    assert!(matches!(r, Err(Error::NoSpace)), "{r:?}");
+    assert!(read_all(&fs, f) == data);
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }

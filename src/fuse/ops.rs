@@ -985,13 +985,15 @@ impl FuseFs {
         mode: i32,
         reply: impl AnswerEmpty,
     ) {
-        let known = libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE;
+        let known =
+            libc::FALLOC_FL_KEEP_SIZE | libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE;
         if mode & !known != 0 {
             return reply.error(err(libc::EOPNOTSUPP));
         }
         let m = FallocMode {
             keep_size: mode & libc::FALLOC_FL_KEEP_SIZE != 0,
             punch_hole: mode & libc::FALLOC_FL_PUNCH_HOLE != 0,
+            zero_range: mode & libc::FALLOC_FL_ZERO_RANGE != 0,
         };
         let ino = to_ino(nodeid);
         let r = self.fs.fallocate(ino, offset, length, m);
