@@ -539,7 +539,7 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
     for (_, fe) in &file_extents {
         let (b, l) = (fe.disk_bytenr.get(), fe.disk_len.get());
         if seen_extents.insert(b)
-            && (l > crate::format::MAX_EXTENT_SIZE
+            && (l > crate::format::MAX_PREALLOC_SIZE
                 || b.checked_add(l).is_none_or(|e| e > w.sb.total_bytes))
         {
             w.problem(format!(

@@ -44,8 +44,12 @@ pub const NAME_MAX: usize = 255;
 pub const SYMLINK_MAX: usize = 4095;
 /// Largest item payload; two always fit in a node, so a split always succeeds.
 pub const MAX_ITEM_SIZE: usize = 7000;
-/// Largest data extent (its checksum item is 4 bytes per block).
+/// Largest data extent written at once (its checksum item is 4 bytes per block).
 pub const MAX_EXTENT_SIZE: u64 = 1 << 20;
+/// Largest preallocated data extent, as btrfs's: it has no checksums until written,
+/// and each piece then written in place gets its own item of at most
+/// [`MAX_EXTENT_SIZE`]'s blocks.
+pub const MAX_PREALLOC_SIZE: u64 = 128 << 20;
 /// Largest file size.
 pub const MAX_FILE_SIZE: u64 = 1 << 50;
 
@@ -59,7 +63,8 @@ pub const INCOMPAT_BASE: u64 = 1;
 pub const INCOMPAT_LOG_RING: u64 = 2;
 /// A data extent's checksums may be split over several items, each keyed by the
 /// address of its first block: a preallocated extent written in place gets one per
-/// piece written. Set by every commit, so an older build never reads such an image.
+/// piece written; and preallocated extents may be up to [`MAX_PREALLOC_SIZE`]. Set
+/// by every commit, so an older build never reads such an image.
 pub const INCOMPAT_CSUM_PIECES: u64 = 4;
 
 /// Tree ids (objectids of ROOT_ITEMs in the root tree).

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::extent_map::{ExtentMap, Mapping};
 use crate::format::{
     csum, kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE,
-    FILE_EXTENT_PREALLOC, FILE_EXTENT_REG, MAX_EXTENT_SIZE, MAX_FILE_SIZE,
+    FILE_EXTENT_PREALLOC, FILE_EXTENT_REG, MAX_EXTENT_SIZE, MAX_FILE_SIZE, MAX_PREALLOC_SIZE,
 };
 use crate::stats::Stats;
 
@@ -748,7 +748,7 @@ impl Inner {
     fn prealloc_holes(&mut self, ino: u64, i: &mut InodeItem, holes: &[(u64, u64)]) -> Result<()> {
         for &(mut s, e) in holes {
             while s < e {
-                let (addr, got) = self.store.alloc_data((e - s).min(MAX_EXTENT_SIZE))?;
+                let (addr, got) = self.store.alloc_data((e - s).min(MAX_PREALLOC_SIZE))?;
                 let fe = self.whole_extent(FILE_EXTENT_PREALLOC, addr, got);
                 if let Err(err) = self.put_extent(ino, s, &fe) {
                     self.release_space(&[Piece::new(addr, got)]);
