@@ -507,7 +507,7 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
             w.problem(format!("checksum tree: unexpected item {k:?}"));
             continue;
         }
-        let end = k.offset + v.len() as u64 / 4 * 4096;
+        let end = k.offset.saturating_add(v.len() as u64 / 4 * 4096);
         if v.is_empty() || v.len() % 4 != 0 {
             w.problem(format!("checksums for {:#x}: {} bytes", k.offset, v.len()));
             continue;
@@ -515,7 +515,7 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
         let inside = expect
             .range(..=k.offset)
             .next_back()
-            .is_some_and(|(&s, &(l, f, _))| f == EXTENT_FLAG_DATA && end <= s + l);
+            .is_some_and(|(&s, &(l, f, _))| f == EXTENT_FLAG_DATA && end <= s.saturating_add(l));
         if !inside {
             w.problem(format!(
                 "checksums for {:#x}+{}, which lie in no data extent",

@@ -549,7 +549,11 @@ impl Store {
                 // One checksum item for the extent, or one per piece of a
                 // preallocated extent written in place.
                 let from = Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr);
-                let to = Key::new(objectid::CSUM, kind::EXTENT_CSUM, h.bytenr + h.len);
+                let to = Key::new(
+                    objectid::CSUM,
+                    kind::EXTENT_CSUM,
+                    h.bytenr.saturating_add(h.len),
+                );
                 loop {
                     let items = self.range(tree::CSUM, &from, &to, 64)?;
                     if items.is_empty() {

@@ -1,5 +1,12 @@
 //! File data: copy-on-write writes, reads with checksum verification, truncate,
-//! fallocate and hole punching.
+//! fallocate, zero ranges and hole punching.
+//!
+//! Writes never overwrite data in place. They do fill preallocated blocks in place
+//! when only this file's preallocated items reference them (no snapshot, no
+//! clone): those blocks read as zeros whatever they hold until the items mapping
+//! them become written ones, in the same tree change that adds their checksums, so
+//! a crash still shows the old contents (zeros) or the new, and fallocate's range
+//! never needs new space. Each piece so written gets its own checksum item.
 //!
 //! A file's data is the set of its EXTENT_DATA items, keyed by file offset and
 //! non-overlapping; what no item covers is a hole and reads as zeros. Every file range

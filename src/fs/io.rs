@@ -4,9 +4,10 @@
 //! block first only when it covers part of it and the block is not cached (seed 5).
 //! No space is allocated and no tree changes: the new size and times wait in
 //! `Inner::pending` (every inode read sees them). Writeback takes runs of contiguous
-//! dirty blocks, allocates each run's space in one piece, writes it without the fs
-//! lock and maps it; so sequential writes make large extents and random overwrites
-//! stay block-sized.
+//! dirty blocks, allocates each run's space in one piece (or takes the file's own
+//! preallocated blocks under it, see `file`), writes it without the fs lock and
+//! maps it; so sequential writes make large extents and random overwrites stay
+//! block-sized.
 //!
 //! Locks: writeback of one inode at a time (`wb_locks`, sharded, taken after the file
 //! lock and before `commit_lock`). Writers do not take it: writeback clears the dirty
