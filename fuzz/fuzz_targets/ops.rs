@@ -18,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
         let name = [b'a' + op[1] % 6];
         let ino = fs.lookup(ROOT_INO, &name).ok().map(|a| a.ino);
         let off = op[2] as usize * 997;
-        match (op[0] % 7, ino) {
+        match (op[0] % 8, ino) {
             (0, None) => {
                 fs.mknod(ROOT_INO, &name, 0o644, 0, Creds::default()).unwrap();
                 model.insert(name[0], Vec::new());
@@ -42,11 +42,27 @@ fuzz_target!(|data: &[u8]| {
             }
             (4, Some(i)) => {
                 let len = 1 + op[2] as u64 * 300;
-                fs.fallocate(i, off as u64 / 2, len, FallocMode { keep_size: true, punch_hole: true }).unwrap();
+                fs.fallocate(i, off as u64 / 2, len, FallocMode { keep_size: true, punch_hole: true, zero_range: false }).unwrap();
                 let m = model.get_mut(&name[0]).unwrap();
                 let s = (off / 2).min(m.len());
                 let e = (off / 2 + len as usize).min(m.len());
                 m[s..e].fill(0);
+            }
+            (7, Some(i)) => {
+                // Allocate or zero, keeping the size or not.
+                let how = op[1] / 6 % 4;
+                let mode = FallocMode { keep_size: how % 2 == 0, punch_hole: false, zero_range: how >= 2 };
+                let len = 1 + op[2] as usize * 300;
+                fs.fallocate(i, off as u64 / 2, len as u64, mode).unwrap();
+                let m = model.get_mut(&name[0]).unwrap();
+                let end = off / 2 + len;
+                if mode.zero_range {
+                    let n = m.len();
+                    m[(off / 2).min(n)..end.min(n)].fill(0);
+                }
+                if !mode.keep_size && m.len() < end {
+                    m.resize(end, 0);
+                }
             }
             (5, Some(i)) => fs.fsync(i, false).unwrap(),
             (6, _) => {
