@@ -999,7 +999,9 @@ pub fn getxattr_sized(p: &Path, name: &str, size: usize) -> io::Result<(usize, V
 
 /// The daemon's counters of the mount `m` (the JSON `birchfs stats --json` prints).
 pub fn daemon_stats(m: &Mount) -> serde_json::Value {
-    let raw = getxattr(m.root(), "birchfs.stats").expect("read birchfs.stats");
+    // One call with room to spare, as `birchfs stats` reads it: the counters may
+    // grow between a call asking for the size and one reading the value (ERANGE).
+    let (_, raw) = getxattr_sized(m.root(), "birchfs.stats", 1 << 16).expect("read birchfs.stats");
     serde_json::from_slice(&raw).expect("stats are JSON")
 }
 
