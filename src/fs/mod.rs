@@ -634,10 +634,11 @@ impl Fs {
         self.with(|i| i.getattr(ino))
     }
 
-    /// Creates a node (file, fifo, device, socket) named `name` in `parent`.
+    /// Creates a node (file, fifo, device, socket) named `name` in `parent`, with
+    /// the parent's default POSIX ACL if it has one (as [`Fs::create_inheriting`]
+    /// with no umask).
     pub fn mknod(&self, parent: u64, name: &[u8], mode: u32, rdev: u64, cr: Creds) -> Result<Attr> {
-        Self::live_dir(parent)?;
-        self.with_space(|i| i.create_node(parent, name, mode, rdev, cr, None))
+        self.create_inheriting(parent, name, mode, rdev, cr, 0)
     }
 
     /// Creates a node as a FUSE request asks, with the caller's `umask`: the parent's
@@ -684,15 +685,10 @@ impl Fs {
         self.with_space(|i| i.set_acl(ino, name, value))
     }
 
-    /// Creates a directory.
+    /// Creates a directory, with the parent's default POSIX ACL if it has one (as
+    /// [`Fs::create_inheriting`] with no umask); in `.snapshots`, takes a snapshot.
     pub fn mkdir(&self, parent: u64, name: &[u8], mode: u32, cr: Creds) -> Result<Attr> {
-        if parent == SNAPSHOTS_INO {
-            return self.snapshot_create(name);
-        }
-        Self::live(parent)?;
-        self.with_space(|i| {
-            i.create_node(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, cr, None)
-        })
+        self.create_inheriting(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, cr, 0)
     }
 
     /// Creates a symlink to `target`.

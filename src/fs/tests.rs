@@ -916,3 +916,49 @@ fn fallocate_of_nearly_all_available_space_succeeds() {
     );
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
+
+/// The library's mknod and mkdir give a new node its parent's default POSIX ACL,
+/// masked by the mode asked for (as a FUSE create with no umask); without one the
+/// mode is kept as asked.
+#[test]
+fn library_creates_inherit_the_default_acl() {
+    let (dev, fs) = mk(64 * MB);
+    let acl = |entries: &[(u16, u16, u32)]| {
+        let mut v = 2u32.to_le_bytes().to_vec();
+        for &(t, p, id) in entries {
+            v.extend_from_slice(&t.to_le_bytes());
+            v.extend_from_slice(&p.to_le_bytes());
+            v.extend_from_slice(&id.to_le_bytes());
+        }
+        v
+    };
+    let u = u32::MAX;
+    let def = acl(&[
+        (0x01, 7, u),
+        (0x02, 7, 1000),
+        (0x04, 5, u),
+        (0x10, 7, u),
+        (0x20, 5, u),
+    ]);
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap().ino;
+    fs.set_acl(d, b"system.posix_acl_default", &def).unwrap();
+    let f = fs.mknod(d, b"f", 0o666, 0, cr()).unwrap();
+    assert_eq!(f.perm, 0o664, "the default ACL masked by the mode");
+    let access = fs.getxattr(f.ino, b"system.posix_acl_access").unwrap();
+    assert!(
+        access.len() == def.len() && access[12..20] == def[12..20],
+        "named entries stay"
+    );
+    assert!(fs.getxattr(f.ino, b"system.posix_acl_default").is_err());
+    let sub = fs.mkdir(d, b"sub", 0o777, cr()).unwrap();
+    assert_eq!(sub.perm, 0o775);
+    assert_eq!(
+        fs.getxattr(sub.ino, b"system.posix_acl_default").unwrap(),
+        def,
+        "a directory passes the default on"
+    );
+    let plain = fs.mknod(ROOT_INO, b"p", 0o666, 0, cr()).unwrap();
+    assert_eq!(plain.perm, 0o666, "no default ACL: the mode as asked");
+    assert!(fs.getxattr(plain.ino, b"system.posix_acl_access").is_err());
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}
