@@ -431,12 +431,6 @@ impl Store {
         res
     }
 
-    /// Generation of the newest snapshot: file extents made after it are in no
-    /// snapshot.
-    pub(crate) fn last_snapshot(&self) -> u64 {
-        self.last_snapshot
-    }
-
     pub(crate) fn writable(&self) -> Result<()> {
         if self.readonly {
             return Err(Error::ReadOnly);

@@ -1,12 +1,12 @@
 //! File data: copy-on-write writes, reads with checksum verification, truncate,
 //! fallocate, zero ranges and hole punching.
 //!
-//! Writes never overwrite data in place. They do fill preallocated blocks in place
-//! when only this file's preallocated items reference them (no snapshot, no
-//! clone): those blocks read as zeros whatever they hold until the items mapping
-//! them become written ones, in the same tree change that adds their checksums, so
-//! a crash still shows the old contents (zeros) or the new, and fallocate's range
-//! never needs new space. Each piece so written gets its own checksum item.
+//! Writes never overwrite data in place. They do fill preallocated blocks in place:
+//! those blocks read as zeros whatever they hold until the item mapping them
+//! becomes a written one, in the same tree change that adds their checksums, so a
+//! crash still shows the old contents (zeros) or the new, a snapshot sharing them
+//! keeps reading zeros, and fallocate's range never needs new space. Each piece so
+//! written gets its own checksum item.
 //!
 //! A file's data is the set of its EXTENT_DATA items, keyed by file offset and
 //! non-overlapping; what no item covers is a hole and reads as zeros. Every file range
@@ -405,20 +405,20 @@ impl Inner {
         }
     }
 
-    /// Whether a write may go in place into the blocks `fe` maps: a preallocated
-    /// extent made after the newest snapshot, so no snapshot holds it, and no clone
-    /// does (cloning leaves preallocated ranges out), only this file's preallocated
-    /// items. Its blocks are read by no one, so writing them changes nothing anyone
-    /// sees until the items that map them are replaced.
+    /// Whether a write may go in place into the blocks `fe` maps: preallocated ones.
+    /// No one reads a preallocated block (it reads as zeros whatever it holds), so
+    /// writing it changes nothing anyone sees until the item that maps it becomes a
+    /// written one. Only one item that can be written maps it: fallocate takes new
+    /// space, cloning leaves preallocated ranges out, and the other trees that may
+    /// share it are read-only snapshots (which keep reading zeros there).
     fn writable_in_place(&self, fe: &FileExtent) -> bool {
-        fe.kind == FILE_EXTENT_PREALLOC && fe.generation.get() > self.store.last_snapshot()
+        fe.kind == FILE_EXTENT_PREALLOC
     }
 
-    /// Space for `len` dirty bytes at `off` of `ino` being written back: the blocks
-    /// of preallocated extents that only this file holds, in place (so a write into
-    /// a fallocated range needs no new space, as fallocate(2) promises, and the file
-    /// keeps the layout it was given); new space for the rest. In file order; all or
-    /// nothing.
+    /// Space for `len` dirty bytes at `off` of `ino` being written back: its
+    /// preallocated blocks, in place (so a write into a fallocated range needs no
+    /// new space, as fallocate(2) promises, and the file keeps the layout it was
+    /// given); new space for the rest. In file order; all or nothing.
     pub(crate) fn space_for_run(&mut self, ino: u64, off: u64, len: u64) -> Result<Vec<Piece>> {
         let end = off + len;
         let mut out: Vec<Piece> = Vec::new();
@@ -464,8 +464,7 @@ impl Inner {
     }
 
     /// Whether the in-place pieces of `space`, for file offset `off` on, still map
-    /// onto preallocated blocks only this file holds (a snapshot taken since they
-    /// were chosen shares them).
+    /// onto the preallocated blocks they were chosen for.
     fn still_in_place(&mut self, ino: u64, off: u64, space: &[Piece]) -> Result<bool> {
         let mut pos = off;
         for p in space {

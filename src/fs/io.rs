@@ -726,10 +726,10 @@ impl Fs {
     /// Finds space for each run (in place over the file's own preallocated blocks,
     /// new elsewhere), writes the runs there and maps them in the file.
     fn write_runs(&self, ino: u64, runs: &[DirtyRun]) -> Result<()> {
-        // A snapshot taken while the runs were written shares the preallocated blocks
-        // they went to in place: then they are written again, to new space (the
-        // snapshot reads those blocks as zeros whatever they hold). Only a snapshot
-        // can take them, and the second plan does not choose its blocks again.
+        // The writeback lock keeps the file's extents as they were planned (truncate,
+        // hole punching, fallocate and cloning take it); should the preallocated
+        // blocks chosen for a run have changed anyway, the runs are planned and
+        // written again.
         for _ in 0..3 {
             let spaces = self.with_space(|i| {
                 let mut v: Vec<Vec<super::file::Piece>> = Vec::new();
@@ -781,7 +781,7 @@ impl Fs {
             }
         }
         Err(Error::Io(std::io::Error::other(
-            "snapshots kept taking the preallocated blocks a writeback went to",
+            "the preallocated blocks a writeback went to kept changing",
         )))
     }
 
