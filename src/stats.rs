@@ -18,6 +18,8 @@ pub struct Stats {
     pub user_bytes: AtomicU64,
     /// Bytes of data blocks written to the device.
     pub dev_data_bytes: AtomicU64,
+    /// Of those, bytes written in place into preallocated blocks (no new space).
+    pub prealloc_filled_bytes: AtomicU64,
     /// Bytes of file data read by users.
     pub user_read_bytes: AtomicU64,
     /// Bytes of data blocks read from the device (cache misses and readahead).
@@ -78,6 +80,7 @@ impl Stats {
             commits: g(&self.commits),
             user_bytes: g(&self.user_bytes),
             dev_data_bytes: g(&self.dev_data_bytes),
+            prealloc_filled_bytes: g(&self.prealloc_filled_bytes),
             user_read_bytes: g(&self.user_read_bytes),
             dev_read_bytes: g(&self.dev_read_bytes),
             writeback_runs: g(&self.writeback_runs),
@@ -120,6 +123,8 @@ pub struct StatsSnapshot {
     pub user_bytes: u64,
     /// See [`Stats::dev_data_bytes`].
     pub dev_data_bytes: u64,
+    /// See [`Stats::prealloc_filled_bytes`].
+    pub prealloc_filled_bytes: u64,
     /// See [`Stats::user_read_bytes`].
     pub user_read_bytes: u64,
     /// See [`Stats::dev_read_bytes`].
@@ -277,7 +282,7 @@ impl StatsSnapshot {
             concat!(
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
-                "\"superblock\":{},\"device_total\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
+                "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
@@ -294,6 +299,7 @@ impl StatsSnapshot {
             self.dev_log_bytes,
             self.dev_super_bytes,
             self.device_total(),
+            self.prealloc_filled_bytes,
             self.user_read_bytes,
             self.dev_read_bytes,
             self.cloned_bytes,
@@ -338,6 +344,11 @@ impl StatsSnapshot {
             &mut s,
             "device bytes: data",
             self.dev_data_bytes.to_string(),
+        );
+        row(
+            &mut s,
+            "  of it into preallocated blocks",
+            self.prealloc_filled_bytes.to_string(),
         );
         row(
             &mut s,

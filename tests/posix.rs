@@ -2311,6 +2311,11 @@ fn random_writes_fill_a_range_fallocate_took_most_of_the_free_space_for() {
     }
     f.sync_all().unwrap();
     drop(f);
+    assert_eq!(
+        daemon_stats(&m)["bytes"]["prealloc_filled"].as_u64(),
+        Some(len),
+        "every block went in place into the preallocated ones"
+    );
     m.remount();
     let got = fs::read(&p).unwrap();
     assert_eq!(got.len() as u64, len);

@@ -770,6 +770,11 @@ impl Fs {
                 }
             };
             Stats::add(&self.stats.writeback_runs, runs.len() as u64);
+            let filled = spaces.iter().flatten().filter(|p| p.into.is_some());
+            Stats::add(
+                &self.stats.prealloc_filled_bytes,
+                filled.map(|p| p.len).sum(),
+            );
             let placed: Vec<super::file::WrittenRun> = runs
                 .iter()
                 .zip(spaces)

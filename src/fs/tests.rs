@@ -716,6 +716,7 @@ fn writes_into_a_fallocated_range_need_no_new_space() {
     fs.fsync(f, false).unwrap();
     assert!(all_within(&fs, f, &prealloc), "a write went to new space");
     assert!(fs.extent_map(f).unwrap().iter().all(|e| !e.prealloc));
+    assert_eq!(fs.stats().prealloc_filled_bytes, len);
     let fs = remount(&dev, fs);
     assert!(read_all(&fs, f) == want, "data differs after a remount");
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
