@@ -420,74 +420,44 @@ impl Inner {
     /// new space, as fallocate(2) promises, and the file keeps the layout it was
     /// given); new space for the rest. In file order; all or nothing.
     pub(crate) fn space_for_run(&mut self, ino: u64, off: u64, len: u64) -> Result<Vec<Piece>> {
-        let end = off + len;
-        let mut out: Vec<Piece> = Vec::new();
-        let mut pos = off;
-        let mut places = Vec::new();
-        for (foff, fe) in self.extents_in(ino, off, end)? {
-            let (s, e) = (foff.max(off), (foff + fe.num_bytes.get()).min(end));
-            if s < e && self.writable_in_place(&fe) {
-                let addr = fe.disk_bytenr.get() + fe.offset.get() + (s - foff);
-                places.push((s, e, addr, (fe.disk_bytenr.get(), fe.disk_len.get())));
+        let mut out = Vec::new();
+        match self.place_run(ino, off, off + len, &mut out) {
+            Ok(()) => Ok(out),
+            Err(e) => {
+                self.release_space(&out);
+                Err(e)
             }
         }
-        for (s, e, addr, into) in places {
-            if s > pos {
-                match self.alloc_space(s - pos) {
-                    Ok(v) => out.extend(v),
-                    Err(err) => {
-                        self.release_space(&out);
-                        return Err(err);
-                    }
-                }
+    }
+
+    /// [`Inner::space_for_run`] of `[off, end)` into `out`, which holds what it
+    /// took when it fails.
+    fn place_run(&mut self, ino: u64, off: u64, end: u64, out: &mut Vec<Piece>) -> Result<()> {
+        let mut pos = off;
+        for (foff, fe) in self.extents_in(ino, off, end)? {
+            let (s, e) = (foff.max(off), (foff + fe.num_bytes.get()).min(end));
+            if s >= e || !self.writable_in_place(&fe) {
+                continue;
             }
+            if s > pos {
+                out.extend(self.alloc_space(s - pos)?);
+            }
+            let addr = fe.disk_bytenr.get() + fe.offset.get() + (s - foff);
+            let into = Some((fe.disk_bytenr.get(), fe.disk_len.get()));
             match out.last_mut() {
-                Some(p) if p.into == Some(into) && p.addr + p.len == addr => p.len += e - s,
+                Some(p) if p.into == into && p.addr + p.len == addr => p.len += e - s,
                 _ => out.push(Piece {
                     addr,
                     len: e - s,
-                    into: Some(into),
+                    into,
                 }),
             }
             pos = e;
         }
         if pos < end {
-            match self.alloc_space(end - pos) {
-                Ok(v) => out.extend(v),
-                Err(err) => {
-                    self.release_space(&out);
-                    return Err(err);
-                }
-            }
+            out.extend(self.alloc_space(end - pos)?);
         }
-        Ok(out)
-    }
-
-    /// Whether the in-place pieces of `space`, for file offset `off` on, still map
-    /// onto the preallocated blocks they were chosen for.
-    fn still_in_place(&mut self, ino: u64, off: u64, space: &[Piece]) -> Result<bool> {
-        let mut pos = off;
-        for p in space {
-            if let Some((b, _)) = p.into {
-                let mut at = pos;
-                for (foff, fe) in self.extents_in(ino, pos, pos + p.len)? {
-                    let s = foff.max(pos);
-                    if s != at
-                        || !self.writable_in_place(&fe)
-                        || fe.disk_bytenr.get() != b
-                        || fe.disk_bytenr.get() + fe.offset.get() + (s - foff) != p.addr + (s - pos)
-                    {
-                        return Ok(false);
-                    }
-                    at = (foff + fe.num_bytes.get()).min(pos + p.len);
-                }
-                if at != pos + p.len {
-                    return Ok(false);
-                }
-            }
-            pos += p.len;
-        }
-        Ok(true)
+        Ok(())
     }
 
     /// A file extent of `kind` that maps all `len` bytes of new space at `addr`, made
@@ -608,10 +578,21 @@ impl Inner {
 
     /// Bytes of `[start, end)` of `ino` that writeback would write in place.
     fn in_place_bytes(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
+        self.mapped_bytes(ino, start, end, |me, fe| me.writable_in_place(fe))
+    }
+
+    /// Bytes of `[start, end)` of `ino` that extents `pick` chooses map.
+    pub(super) fn mapped_bytes(
+        &mut self,
+        ino: u64,
+        start: u64,
+        end: u64,
+        pick: impl Fn(&Inner, &FileExtent) -> bool,
+    ) -> Result<u64> {
         Ok(self
             .extents_in(ino, start, end)?
             .iter()
-            .filter(|(_, fe)| self.writable_in_place(fe))
+            .filter(|(_, fe)| pick(self, fe))
             .map(|(at, fe)| {
                 let (a, b) = ((*at).max(start), (at + fe.num_bytes.get()).min(end));
                 b.saturating_sub(a)
@@ -650,28 +631,17 @@ impl Inner {
     }
 
     /// Maps runs written back to `ino`: (file offset, space holding the data, its
-    /// checksums). Releases the new space and maps nothing if the inode is gone, or
-    /// if in-place pieces are no longer only this file's (then returns false: the
-    /// caller writes the runs again).
-    pub(crate) fn map_written(&mut self, ino: u64, placed: Vec<WrittenRun>) -> Result<bool> {
-        let release = |me: &mut Inner, placed: &[WrittenRun]| {
-            for (_, space, _) in placed {
-                me.release_space(space);
-            }
-        };
+    /// checksums). Releases the new space if the inode is gone.
+    pub(crate) fn map_written(&mut self, ino: u64, placed: Vec<WrittenRun>) -> Result<()> {
         let mut i = match self.get_inode_opt(ino)? {
             Some(i) => i,
             None => {
-                release(self, &placed);
-                return Ok(true);
+                for (_, space, _) in &placed {
+                    self.release_space(space);
+                }
+                return Ok(());
             }
         };
-        for (off, space, _) in &placed {
-            if !self.still_in_place(ino, *off, space)? {
-                release(self, &placed);
-                return Ok(false);
-            }
-        }
         let mut end = 0;
         for (off, space, sums) in placed {
             end = end.max(off + space.iter().map(|p| p.len).sum::<u64>());
@@ -684,7 +654,7 @@ impl Inner {
         }
         self.put_inode(ino, &mut i)?;
         self.store.log.mark_data(ino);
-        Ok(true)
+        Ok(())
     }
 
     /// Puts the pending size and times of `ino` into its inode item (the size up to
@@ -811,22 +781,16 @@ impl Inner {
             } else {
                 (off / BS * BS, round_up(end))
             };
-            let mut holes = Vec::new();
+            let mut mapped = Vec::new();
             let mut written = Vec::new();
-            let mut pos = bs;
             for (foff, fe) in self.extents_in(ino, bs, be.max(bs))? {
                 let (s, e) = (foff.max(bs), (foff + fe.num_bytes.get()).min(be));
-                if s > pos {
-                    holes.push((pos, s));
-                }
+                mapped.push((s, e));
                 if mode.zero_range && fe.kind != FILE_EXTENT_PREALLOC && s < e {
                     written.push((s, e));
                 }
-                pos = pos.max(e);
             }
-            if pos < be {
-                holes.push((pos, be));
-            }
+            let mut holes = super::io::gaps(&mapped, bs, be);
             // Written blocks being zeroed become holes to preallocate; their space
             // comes back only with a commit, so the new space is checked for first.
             holes.extend(written.iter().copied());

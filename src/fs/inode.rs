@@ -289,16 +289,9 @@ impl Inner {
         };
         let mut new = 0;
         for (off, len) in ranges {
-            let Ok(extents) = self.extents_in(ino, off, off + len) else {
+            let Ok(covered) = self.mapped_bytes(ino, off, off + len, |_, _| true) else {
                 return all;
             };
-            let covered: u64 = extents
-                .iter()
-                .map(|(at, fe)| {
-                    let (a, b) = ((*at).max(off), (at + fe.num_bytes.get()).min(off + len));
-                    b.saturating_sub(a)
-                })
-                .sum();
             new += len.saturating_sub(covered) / BLOCK_SIZE;
         }
         new

@@ -100,7 +100,7 @@ fn in_order<'a, T>(a: &'a T, b: &'a T) -> (&'a T, Option<&'a T>) {
 }
 
 /// The parts of `[from, to)` that none of `covered` (sorted by start) covers.
-fn gaps(covered: &[(u64, u64)], from: u64, to: u64) -> Vec<(u64, u64)> {
+pub(super) fn gaps(covered: &[(u64, u64)], from: u64, to: u64) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     let mut pos = from;
     for &(s, e) in covered {
@@ -726,68 +726,62 @@ impl Fs {
     /// Finds space for each run (in place over the file's own preallocated blocks,
     /// new elsewhere), writes the runs there and maps them in the file.
     fn write_runs(&self, ino: u64, runs: &[DirtyRun]) -> Result<()> {
-        // The writeback lock keeps the file's extents as they were planned (truncate,
-        // hole punching, fallocate and cloning take it); should the preallocated
-        // blocks chosen for a run have changed anyway, the runs are planned and
-        // written again.
-        for _ in 0..3 {
-            let spaces = self.with_space(|i| {
-                let mut v: Vec<Vec<super::file::Piece>> = Vec::new();
-                for r in runs {
-                    match i.space_for_run(ino, r.off, r.buf.len() as u64) {
-                        Ok(s) => v.push(s),
-                        Err(e) => {
-                            for s in &v {
-                                i.release_space(s);
-                            }
-                            return Err(e);
+        // The preallocated blocks chosen stay the file's until they are mapped: the
+        // writeback lock keeps its extents as planned (truncate, hole punching,
+        // fallocate and cloning take it), and space an unlink frees meanwhile is
+        // held back until the writes end (`begin_in_place`).
+        let (spaces, filled) = self.with_space(|i| {
+            let mut v: Vec<Vec<super::file::Piece>> = Vec::new();
+            for r in runs {
+                match i.space_for_run(ino, r.off, r.buf.len() as u64) {
+                    Ok(s) => v.push(s),
+                    Err(e) => {
+                        for s in &v {
+                            i.release_space(s);
                         }
+                        return Err(e);
                     }
                 }
-                if v.iter().flatten().any(|p| p.into.is_some()) {
-                    i.store.alloc.begin_in_place();
-                }
-                Ok(v)
-            })?;
-            let in_place = spaces.iter().flatten().any(|p| p.into.is_some());
-            let batch: Vec<super::file::RunToWrite> = runs
-                .iter()
-                .zip(&spaces)
-                .map(|(r, s)| (s.as_slice(), &r.buf[..]))
-                .collect();
-            let written = super::file::write_runs_to(self.dev.as_ref(), &self.stats, &batch);
-            if in_place {
-                self.inner.lock().store.alloc.end_in_place();
             }
-            let sums = match written {
-                Ok(s) => s,
-                Err(e) => {
-                    let mut g = self.inner.lock();
-                    for s in &spaces {
-                        g.release_space(s);
-                    }
-                    return Err(e);
-                }
-            };
-            Stats::add(&self.stats.writeback_runs, runs.len() as u64);
-            let filled = spaces.iter().flatten().filter(|p| p.into.is_some());
-            Stats::add(
-                &self.stats.prealloc_filled_bytes,
-                filled.map(|p| p.len).sum(),
-            );
-            let placed: Vec<super::file::WrittenRun> = runs
+            let filled: u64 = v
                 .iter()
-                .zip(spaces)
-                .zip(sums)
-                .map(|((r, s), c)| (r.off, s, c))
-                .collect();
-            if self.with(|i| i.map_written(ino, placed))? {
-                return Ok(());
+                .flatten()
+                .filter(|p| p.into.is_some())
+                .map(|p| p.len)
+                .sum();
+            if filled > 0 {
+                i.store.alloc.begin_in_place();
             }
+            Ok((v, filled))
+        })?;
+        let batch: Vec<super::file::RunToWrite> = runs
+            .iter()
+            .zip(&spaces)
+            .map(|(r, s)| (s.as_slice(), &r.buf[..]))
+            .collect();
+        let written = super::file::write_runs_to(self.dev.as_ref(), &self.stats, &batch);
+        if filled > 0 {
+            self.inner.lock().store.alloc.end_in_place();
         }
-        Err(Error::Io(std::io::Error::other(
-            "the preallocated blocks a writeback went to kept changing",
-        )))
+        let sums = match written {
+            Ok(s) => s,
+            Err(e) => {
+                let mut g = self.inner.lock();
+                for s in &spaces {
+                    g.release_space(s);
+                }
+                return Err(e);
+            }
+        };
+        Stats::add(&self.stats.writeback_runs, runs.len() as u64);
+        Stats::add(&self.stats.prealloc_filled_bytes, filled);
+        let placed: Vec<super::file::WrittenRun> = runs
+            .iter()
+            .zip(spaces)
+            .zip(sums)
+            .map(|((r, s), c)| (r.off, s, c))
+            .collect();
+        self.with(|i| i.map_written(ino, placed))
     }
 
     /// Writes back every dirty block of every file; returns the first error after
