@@ -638,11 +638,7 @@ fn mount_serve(
     cfg.clone_fd = true;
     let mut ffs = FuseFs::new(fs.clone());
     ffs.direct_reads(mo.direct_read());
-    // A committer that waits holds a request thread: another must be free to bring
-    // the fsyncs it waits for.
-    ffs.gather_fsyncs(
-        mo.gather && mo.threads >= 2 && (mo.uring == UringMode::Off || mo.ring.threads >= 2),
-    );
+    ffs.gather_fsyncs(mo.gather);
     if want_uring(mo.uring)? {
         ffs.offer_uring();
     }

@@ -50,6 +50,10 @@ pub struct Stats {
     pub shared_cows: AtomicU64,
     /// FUSE requests that came through io_uring queues instead of `/dev/fuse`.
     pub uring_requests: AtomicU64,
+    /// Measurements by the group commit that found gathering fsyncs pays.
+    pub gather_chosen: AtomicU64,
+    /// Measurements by the group commit that found it does not.
+    pub gather_declined: AtomicU64,
     /// fsync latency.
     pub fsync_latency: Histogram,
     /// Full commit latency.
@@ -99,6 +103,8 @@ impl Stats {
             fallbacks: g(&self.fallbacks),
             shared_cows: g(&self.shared_cows),
             uring_requests: g(&self.uring_requests),
+            gather_chosen: g(&self.gather_chosen),
+            gather_declined: g(&self.gather_declined),
             fsync_latency: self.fsync_latency.summary(),
             commit_latency: self.commit_latency.summary(),
             log_flush_latency: self.log_flush_latency.summary(),
@@ -162,6 +168,10 @@ pub struct StatsSnapshot {
     pub shared_cows: u64,
     /// See [`Stats::uring_requests`].
     pub uring_requests: u64,
+    /// See [`Stats::gather_chosen`].
+    pub gather_chosen: u64,
+    /// See [`Stats::gather_declined`].
+    pub gather_declined: u64,
     /// See [`Stats::fsync_latency`].
     pub fsync_latency: LatencySummary,
     /// See [`Stats::commit_latency`].
@@ -284,6 +294,7 @@ impl StatsSnapshot {
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
+                "\"gather\":{{\"chosen\":{},\"declined\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
             self.fsyncs,
@@ -312,6 +323,8 @@ impl StatsSnapshot {
             self.cache_dirty_bytes,
             self.flushes,
             self.uring_requests,
+            self.gather_chosen,
+            self.gather_declined,
             self.fsync_latency.json(),
             self.commit_latency.json(),
             self.log_flush_latency.json(),
@@ -334,6 +347,14 @@ impl StatsSnapshot {
         row(&mut s, "log commits", self.log_commits.to_string());
         row(&mut s, "full commits", self.commits.to_string());
         row(&mut s, "log fallbacks", self.fallbacks.to_string());
+        row(
+            &mut s,
+            "gathering measured",
+            format!(
+                "{} times paid, {} not",
+                self.gather_chosen, self.gather_declined
+            ),
+        );
         row(&mut s, "shared node copies", self.shared_cows.to_string());
         row(
             &mut s,

@@ -509,6 +509,16 @@ impl Fs {
         crate::stats::Stats::add(&self.stats.direct_read_bytes, bytes);
     }
 
+    /// Counts a measurement of whether gathering fsyncs pays, by its outcome.
+    pub fn count_gather_choice(&self, on: bool) {
+        let c = if on {
+            &self.stats.gather_chosen
+        } else {
+            &self.stats.gather_declined
+        };
+        crate::stats::Stats::add(c, 1);
+    }
+
     /// Counts a FUSE request that came through an io_uring queue.
     pub fn count_uring_request(&self) {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);

@@ -135,7 +135,7 @@ impl FuseFs {
     /// Lets group commits wait briefly for the fsyncs of threads expected back
     /// (see `fuse::group`); off by default.
     pub fn gather_fsyncs(&self, on: bool) {
-        self.fsyncs.set_gather(on);
+        self.fsyncs.set_gather(on && self.workers.timer.is_some());
     }
 
     /// Offers the kernel FUSE over io_uring at INIT; [`FuseFs::uring_agreed`] tells
@@ -177,6 +177,8 @@ const FSYNC_WORKERS: usize = 4;
 struct FsyncWorkers {
     tx: Option<std::sync::mpsc::Sender<FsyncJob>>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// The group commit's timer thread, which commits gathers whose time is up.
+    timer: Option<(Arc<FsyncQueue>, std::thread::JoinHandle<()>)>,
 }
 
 impl FsyncWorkers {
@@ -200,9 +202,23 @@ impl FsyncWorkers {
                 Err(e) => tracing::warn!("cannot start an fsync worker: {e}"),
             }
         }
+        let (f, q) = (fs.clone(), queue.clone());
+        let timer = std::thread::Builder::new()
+            .name("fsync-timer".into())
+            .spawn(move || q.run_timer(&f));
+        let timer = match timer {
+            Ok(t) => Some((queue.clone(), t)),
+            Err(e) => {
+                tracing::warn!(
+                    "cannot start the group commit's timer, fsyncs are not gathered: {e}"
+                );
+                None
+            }
+        };
         FsyncWorkers {
             tx: (!threads.is_empty()).then_some(tx),
             threads,
+            timer,
         }
     }
 }
@@ -212,6 +228,10 @@ impl Drop for FsyncWorkers {
     fn drop(&mut self) {
         self.tx = None;
         for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        if let Some((q, t)) = self.timer.take() {
+            q.stop_timer();
             let _ = t.join();
         }
     }
