@@ -373,7 +373,7 @@ impl FsyncQueue {
                 Instant::now(),
                 t0.elapsed(),
             );
-            if let Some(on) = chose {
+            if let Some(on) = chose.filter(|_| gather) {
                 fs.count_gather_choice(on);
             }
             for p in group {
