@@ -669,7 +669,8 @@ mod tests {
     fn the_tuner_measures_both_modes_and_keeps_the_one_that_answers_more() {
         let mut t = Tuner::default();
         let mut at = Instant::now();
-        t.answered(0, at); // the first answer starts the first window
+        // The first answer starts the first window.
+        t.answered(0, at);
         // Gathering answers 20% more fsyncs per window than not gathering.
         for (want, n) in [(true, 120), (false, 100), (false, 100)] {
             assert_eq!(t.gathers(), want);
