@@ -321,27 +321,28 @@ impl FsyncQueue {
             if st.committing {
                 return;
             }
-            let gathered = match st.gathering {
-                Some((g, _)) if st.ready.len() < g.ready && Instant::now() < g.until => return,
-                Some((_, since)) => Some(since),
-                None => None,
-            };
-            st.gathering = None;
+            if let Some((g, _)) = st.gathering {
+                if st.ready.len() < g.ready && Instant::now() < g.until {
+                    return;
+                }
+            }
             st.committing = true;
-            gathered
+            st.gathering.take().map(|(_, since)| since)
         };
+        self.commit_groups(fs, gathered);
+    }
+
+    /// Commits groups until the queue is empty, as the one committer. `gathered`:
+    /// the first group ends the gather that began then (and is not gathered again).
+    /// Every other group is first gathered (see the module's "Gathering"): then this
+    /// thread leaves, and the fsync that completes the gather (or the timer thread)
+    /// commits it.
+    fn commit_groups(&self, fs: &Fs, gathered: Option<Instant>) {
+        let gather = self.gather.load(std::sync::atomic::Ordering::Relaxed);
+        let mut may_gather = gathered.is_none();
         if let Some(since) = gathered {
             fs.record_fsync_gather_latency(since.elapsed());
         }
-        self.commit_groups(fs, gathered.is_none());
-    }
-
-    /// Commits groups until the queue is empty, as the one committer; a group is
-    /// first gathered (see the module's "Gathering") when `may_gather`, and every
-    /// group after the first is: then this thread leaves, and the fsync that
-    /// completes the gather (or the timer thread) commits it.
-    fn commit_groups(&self, fs: &Fs, mut may_gather: bool) {
-        let gather = self.gather.load(std::sync::atomic::Ordering::Relaxed);
         loop {
             let group = {
                 let mut st = self.state.lock();
@@ -401,8 +402,7 @@ impl FsyncQueue {
                     st.gathering = None;
                     st.committing = true;
                     drop(st);
-                    fs.record_fsync_gather_latency(since.elapsed());
-                    self.commit_groups(fs, false);
+                    self.commit_groups(fs, Some(since));
                     st = self.state.lock();
                 }
                 _ if st.stop => return,
