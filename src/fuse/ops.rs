@@ -203,9 +203,11 @@ impl FsyncWorkers {
             }
         }
         let (f, q) = (fs.clone(), queue.clone());
-        let timer = std::thread::Builder::new()
-            .name("fsync-timer".into())
-            .spawn(move || q.run_timer(&f));
+        let timer = queue.install_alarm().and_then(|()| {
+            std::thread::Builder::new()
+                .name("fsync-timer".into())
+                .spawn(move || q.run_timer(&f))
+        });
         let timer = match timer {
             Ok(t) => Some((queue.clone(), t)),
             Err(e) => {
