@@ -48,6 +48,20 @@ fn kill_9_during_large_fsyncs_on_a_loop_device_loses_nothing_acknowledged() {
     kill_9_rounds(&mut m, true);
 }
 
+#[test]
+fn kill_9_during_fsyncs_with_a_log_past_the_second_superblock_copy_loses_nothing_acknowledged() {
+    // 8 GiB: the log is 256 MiB and starts past the copy at 64 MiB.
+    let mut m = Mount::with_size("8G");
+    kill_9_rounds(&mut m, false);
+    let out = birchfs(["dump", m.image().to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("log {:#x}+{}", (64 << 20) + (64 << 10), 256 << 20)),
+        "{}",
+        describe(&out)
+    );
+}
+
 /// Three rounds of: four threads create and overwrite files with an fsync each (and
 /// now and then one of their directory), kill -9 of the daemon, then every
 /// acknowledged file must hold what was fsynced (or a part of a later attempt).

@@ -5,6 +5,8 @@
 //! 0        64K        68K        1M                1M+log_len            ...  64M (copy 2)  ...
 //! | unused | SUPER #0 | unused   | LOG AREA        | allocatable: tree nodes and data extents |
 //! ```
+//! A log area larger than the 63 MiB below the second copy (devices over 2 GiB) starts
+//! at 64M+64K instead ([`LOG_START_HIGH`]), and 1M..64M+64K stays unused.
 //! Superblock copies live at 64 KiB, 64 MiB and 256 GiB where the device reaches
 //! them; those 4 KiB blocks are never allocated. Integers are little-endian.
 
@@ -36,6 +38,11 @@ pub const MAGIC: [u8; 8] = *b"BIRCHFS1";
 pub const SUPER_OFFSETS: [u64; 3] = [64 << 10, 64 << 20, 256 << 30];
 /// Where the log area starts.
 pub const LOG_START: u64 = 1 << 20;
+/// Where a log area too large for the room below the second superblock copy starts:
+/// just past that copy (what lies before it stays unused).
+pub const LOG_START_HIGH: u64 = SUPER_OFFSETS[1] + (64 << 10);
+/// Largest log area.
+pub const LOG_MAX: u64 = 256 << 20;
 /// Smallest device mkfs accepts.
 pub const MIN_DEVICE_SIZE: u64 = 32 << 20;
 /// Longest name in a directory.

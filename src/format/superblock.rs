@@ -151,10 +151,13 @@ impl Superblock {
         // every field that sizes an allocation or bounds a loop is checked here.
         let data_start = sb.log_start.checked_add(sb.log_len);
         if sb.total_bytes < super::MIN_DEVICE_SIZE
-            || sb.log_start != super::LOG_START
             || sb.log_len % super::BLOCK_SIZE != 0
-            // The log ends before the second superblock copy.
-            || sb.log_len > super::SUPER_OFFSETS[1] - super::LOG_START
+            // The log ends before the second superblock copy, or starts after it.
+            || !match sb.log_start {
+                super::LOG_START => sb.log_len <= super::SUPER_OFFSETS[1] - super::LOG_START,
+                super::LOG_START_HIGH => sb.log_len <= super::LOG_MAX,
+                _ => false,
+            }
             || data_start.is_none_or(|d| d >= sb.total_bytes)
             || sb.root_tree % super::BLOCK_SIZE != 0
             || sb.root_tree < data_start.unwrap_or(u64::MAX)
@@ -201,11 +204,21 @@ mod tests {
 
     #[test]
     fn well_checksummed_but_hostile_fields_are_refused() {
-        let cases: [fn(&mut Superblock); 8] = [
+        let cases: [fn(&mut Superblock); 12] = [
             |s| s.log_head = 1 << 24,
             |s| s.log_head = 100,
             |s| s.log_len = 1 << 40,
             |s| s.log_len = 4095,
+            // A log below the second superblock copy must end before it...
+            |s| s.log_len = 64 << 20,
+            // ... a log past it is at most LOG_MAX, and no other start is valid.
+            |s| {
+                s.log_start = super::super::LOG_START_HIGH;
+                s.log_len = super::super::LOG_MAX + 4096;
+                s.root_tree = 1 << 29;
+            },
+            |s| s.log_start = 2 << 20,
+            |s| s.log_start = super::super::SUPER_OFFSETS[1],
             |s| s.total_bytes = 1 << 20,
             |s| s.root_tree = 4096,
             |s| s.root_tree = u64::MAX - 4095,
@@ -219,6 +232,18 @@ mod tests {
                 "case {i}"
             );
         }
+    }
+
+    #[test]
+    fn a_log_past_the_second_superblock_copy_is_accepted() {
+        let mut sb = sample();
+        sb.log_start = super::super::LOG_START_HIGH;
+        sb.log_len = super::super::LOG_MAX;
+        sb.root_tree = 1 << 29;
+        assert_eq!(Superblock::decode(&sb.encode(65536), 65536).unwrap(), sb);
+        // Its tree root may not lie in it.
+        sb.root_tree = super::super::LOG_START_HIGH + 4096;
+        assert!(Superblock::decode(&sb.encode(65536), 65536).is_err());
     }
 
     #[test]
