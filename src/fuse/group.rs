@@ -198,6 +198,11 @@ pub(crate) struct QueueState {
 }
 
 impl QueueState {
+    /// Uncounts an fsync that was preparing.
+    fn prepared(&mut self) {
+        self.preparing = self.preparing.saturating_sub(1);
+    }
+
     /// Notes that thread `pid` sent an fsync at `now`.
     pub(crate) fn arrived(&mut self, pid: u32, now: Instant) {
         let t = self.threads.entry(pid).or_insert(Fsyncer {
@@ -357,8 +362,7 @@ pub(crate) struct Preparing<'a>(&'a FsyncQueue);
 
 impl Drop for Preparing<'_> {
     fn drop(&mut self) {
-        let mut st = self.0.state.lock();
-        st.preparing = st.preparing.saturating_sub(1);
+        self.0.state.lock().prepared();
     }
 }
 
@@ -409,7 +413,7 @@ impl FsyncQueue {
             let mut st = self.state.lock();
             if let Some(prep) = prep {
                 std::mem::forget(prep);
-                st.preparing = st.preparing.saturating_sub(1);
+                st.prepared();
             }
             st.ready.push(p);
             if st.committing {
@@ -420,14 +424,20 @@ impl FsyncQueue {
                     return;
                 }
             }
-            st.committing = true;
-            let since = st.gathering.take().map(|(_, since)| since);
-            if since.is_some() {
-                self.arm(&st, Instant::now());
-            }
-            since
+            self.become_committer(&mut st)
         };
         self.commit_groups(fs, gathered);
+    }
+
+    /// Makes the caller the committer (`st` locked); it takes over the gather under
+    /// way, if any: disarms its alarm and gives when it began.
+    fn become_committer(&self, st: &mut QueueState) -> Option<Instant> {
+        st.committing = true;
+        let since = st.gathering.take().map(|(_, since)| since);
+        if since.is_some() {
+            self.arm(st, Instant::now());
+        }
+        since
     }
 
     /// Commits groups until the queue is empty, as the one committer. `gathered`:
@@ -498,11 +508,10 @@ impl FsyncQueue {
                 let mut st = self.state.lock();
                 let now = Instant::now();
                 match st.gathering {
-                    Some((g, since)) if st.stop || now >= g.until => {
-                        st.gathering = None;
-                        st.committing = true;
+                    Some((g, _)) if st.stop || now >= g.until => {
+                        let since = self.become_committer(&mut st);
                         drop(st);
-                        self.commit_groups(fs, Some(since));
+                        self.commit_groups(fs, since);
                         continue;
                     }
                     _ if st.stop => return,
