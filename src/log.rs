@@ -443,23 +443,105 @@ impl BatchHeader {
     }
 }
 
+/// A log area as parsing reads it: the whole image in memory, or the device read a
+/// window at a time.
+pub(crate) trait Area {
+    /// Size of the area in bytes.
+    fn cap(&self) -> usize;
+    /// The `len` bytes at `off`, or `None` where they reach past the end of the area.
+    fn get(&mut self, off: usize, len: usize) -> std::io::Result<Option<&[u8]>>;
+}
+
+impl Area for &[u8] {
+    fn cap(&self) -> usize {
+        self.len()
+    }
+    fn get(&mut self, off: usize, len: usize) -> std::io::Result<Option<&[u8]>> {
+        Ok(off.checked_add(len).and_then(|end| (**self).get(off..end)))
+    }
+}
+
+/// Bytes a [`DevArea`] reads at once (more when one batch is larger).
+const WINDOW: usize = 256 << 10;
+
+/// The log area of a device, read a window of [`WINDOW`] bytes at a time as parsing
+/// moves on, so that finding a few batches in a log area of hundreds of MiB reads
+/// only those and holds only a window in memory.
+pub(crate) struct DevArea<'a> {
+    dev: &'a dyn crate::dev::BlockDev,
+    /// Device offset of the area.
+    start: u64,
+    cap: usize,
+    /// Area offset of `buf`'s first byte.
+    lo: usize,
+    buf: crate::dev::AlignedBuf,
+    /// Bytes read from the device so far.
+    pub(crate) read: u64,
+}
+
+impl<'a> DevArea<'a> {
+    /// The `cap` bytes of `dev` from `start` (both multiples of the block size).
+    pub(crate) fn new(dev: &'a dyn crate::dev::BlockDev, start: u64, cap: u64) -> Self {
+        DevArea {
+            dev,
+            start,
+            cap: cap as usize,
+            lo: 0,
+            buf: crate::dev::AlignedBuf::zeroed(0),
+            read: 0,
+        }
+    }
+}
+
+impl Area for DevArea<'_> {
+    fn cap(&self) -> usize {
+        self.cap
+    }
+    fn get(&mut self, off: usize, len: usize) -> std::io::Result<Option<&[u8]>> {
+        let Some(end) = off.checked_add(len).filter(|&e| e <= self.cap) else {
+            return Ok(None);
+        };
+        if off < self.lo || end > self.lo + self.buf.len() {
+            // Whole blocks, so that a block device reads them direct like every
+            // other read of it.
+            let bs = BLOCK_SIZE as usize;
+            let lo = off / bs * bs;
+            let n = (end - lo).max(WINDOW).div_ceil(bs) * bs;
+            let n = n.min(self.cap - lo);
+            let mut buf = crate::dev::AlignedBuf::zeroed(n);
+            self.dev.read_at(&mut buf, self.start + lo as u64)?;
+            self.read += n as u64;
+            (self.lo, self.buf) = (lo, buf);
+        }
+        Ok(Some(&self.buf[off - self.lo..end - self.lo]))
+    }
+}
+
 /// The header of batch `seq` of `generation` at `off` of `area`, if one is there.
 fn header_at(
-    area: &[u8],
+    area: &mut dyn Area,
     off: usize,
     fsid: &[u8; 16],
     generation: u64,
     seq: u64,
-) -> Option<BatchHeader> {
-    let (h, _) = BatchHeader::read_from_prefix(area.get(off..)?).ok()?;
-    h.names(fsid, generation, seq).then_some(h)
+) -> std::io::Result<Option<BatchHeader>> {
+    let Some(b) = area.get(off, HEADER)? else {
+        return Ok(None);
+    };
+    let (h, _) = BatchHeader::read_from_prefix(b).expect("HEADER bytes");
+    Ok(h.names(fsid, generation, seq).then_some(h))
 }
 
-/// Parses the batches of `generation` in a log area image from offset `start`, in
-/// order, following them around the end of the area, and stopping at the first that
-/// is not whole.
-pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64, start: u64) -> Parsed {
-    let cap = area.len();
+/// Parses the batches of `generation` in a log area from offset `start`, in order,
+/// following them around the end of the area, and stopping at the first that is not
+/// whole. Errors are the device's.
+pub(crate) fn parse(
+    area: &mut dyn Area,
+    fsid: &[u8; 16],
+    generation: u64,
+    start: u64,
+) -> std::io::Result<Parsed> {
+    let cap = area.cap();
     let mut out = Parsed {
         end: start,
         ..Default::default()
@@ -471,9 +553,9 @@ pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64, start: u64) -
     loop {
         // A batch that did not fit before the end of the area went to its start; a
         // batch of this generation and sequence is nowhere else.
-        let (at, h) = match header_at(area, off, fsid, generation, seq) {
+        let (at, h) = match header_at(area, off, fsid, generation, seq)? {
             Some(h) => (off, h),
-            None if off != 0 => match header_at(area, 0, fsid, generation, seq) {
+            None if off != 0 => match header_at(area, 0, fsid, generation, seq)? {
                 Some(h) => (0, h),
                 None => break,
             },
@@ -485,7 +567,9 @@ pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64, start: u64) -
         if at + padded > cap || walked > cap {
             break;
         }
-        let payload = &area[at + HEADER..at + HEADER + plen];
+        let Some(payload) = area.get(at + HEADER, plen)? else {
+            break;
+        };
         let mut c = crc32c::crc32c(&h.as_bytes()[12..]);
         c = crc32c::crc32c_append(c, payload);
         if c != h.csum.get() {
@@ -516,7 +600,7 @@ pub(crate) fn parse(area: &[u8], fsid: &[u8; 16], generation: u64, start: u64) -
             break;
         }
     }
-    out
+    Ok(out)
 }
 
 /// Whether every data block a batch's checksum items describe holds that data.
@@ -544,6 +628,11 @@ pub(crate) fn data_landed(ops: &[LogOp], read: &mut dyn FnMut(u64, &mut [u8]) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Parses an area image held in memory.
+    fn parse_image(area: &[u8], fsid: &[u8; 16], generation: u64, start: u64) -> Parsed {
+        parse(&mut &area[..], fsid, generation, start).unwrap()
+    }
 
     fn sample(l: &mut LogBuffer) {
         l.record(LogOp::Insert {
@@ -592,7 +681,7 @@ mod tests {
         let mut area = vec![0u8; 1 << 20];
         put(&mut area, &b1);
         put(&mut area, &b2);
-        let got = parse(&area, &fsid, 7, 0);
+        let got = parse_image(&area, &fsid, 7, 0);
         assert_eq!(got.batches.len(), 2);
         assert_eq!(got.batches[0].len(), 3);
         assert!(matches!(
@@ -601,26 +690,89 @@ mod tests {
         ));
         assert_eq!((got.end, got.used, got.closed), (8192, 8192, false));
         assert!(
-            parse(&area, &fsid, 8, 0).batches.is_empty(),
+            parse_image(&area, &fsid, 8, 0).batches.is_empty(),
             "other generation"
         );
         assert!(
-            parse(&area, &[1; 16], 7, 0).batches.is_empty(),
+            parse_image(&area, &[1; 16], 7, 0).batches.is_empty(),
             "other filesystem"
         );
         let mut torn = area.clone();
         torn[b2.offset as usize + 60] ^= 1;
         assert_eq!(
-            parse(&torn, &fsid, 7, 0).batches.len(),
+            parse_image(&torn, &fsid, 7, 0).batches.len(),
             1,
             "damaged second batch ends the log"
         );
         let mut first = area.clone();
         first[70] ^= 1;
         assert!(
-            parse(&first, &fsid, 7, 0).batches.is_empty(),
+            parse_image(&first, &fsid, 7, 0).batches.is_empty(),
             "damaged first batch: nothing after it counts"
         );
+    }
+
+    /// Read from a device a window at a time, a log finds the same batches as from
+    /// the whole area in memory, batches larger than a window and batches across
+    /// the end of the area included, and reads only about as much as the batches
+    /// take, not the whole area.
+    #[test]
+    fn a_log_read_a_window_at_a_time_parses_as_the_whole_area() {
+        use crate::dev::{BlockDev, MemDev};
+        let fsid = [5; 16];
+        let cap: u64 = 64 * WINDOW as u64;
+        let head = cap - WINDOW as u64 - 4096;
+        let mut l = LogBuffer::new(cap, head);
+        l.enabled = true;
+        let mut area = vec![0u8; cap as usize];
+        // Small batches, then one of more than a window (it wraps to the start of
+        // the area, as it does not fit before the end), then small ones again.
+        let sizes = [10usize, 3000, 20_000, 5, WINDOW + 70_000, 100, 9000, 1];
+        for (i, &n) in sizes.iter().enumerate() {
+            l.record(LogOp::Insert {
+                tree: tree::FS,
+                key: Key::new(300 + i as u64, 1, 0),
+                val: vec![i as u8; n],
+            });
+            let b = l.take_batch(&fsid, 9).unwrap();
+            put(&mut area, &b);
+        }
+        let want = parse_image(&area, &fsid, 9, head);
+        assert_eq!(want.batches.len(), sizes.len());
+        assert!(want.end < head, "the log wrapped");
+        // The area sits 8 KiB into the device.
+        let dev = MemDev::new(cap + 8192 + 4096);
+        dev.write_at(&area, 8192).unwrap();
+        let mut d = DevArea::new(&dev, 8192, cap);
+        let got = parse(&mut d, &fsid, 9, head).unwrap();
+        assert_eq!(got.batches, want.batches);
+        assert_eq!(
+            (got.end, got.used, got.closed),
+            (want.end, want.used, want.closed)
+        );
+        assert!(
+            d.read <= want.used + 4 * WINDOW as u64 && d.read < cap / 4,
+            "read {} bytes of a {cap}-byte area for {} bytes of log",
+            d.read,
+            want.used
+        );
+        // A device that fails to read is an error, not an empty log.
+        struct Failing;
+        impl BlockDev for Failing {
+            fn read_at(&self, _: &mut [u8], _: u64) -> std::io::Result<()> {
+                Err(std::io::Error::from_raw_os_error(libc::EIO))
+            }
+            fn write_at(&self, _: &[u8], _: u64) -> std::io::Result<()> {
+                Ok(())
+            }
+            fn flush(&self) -> std::io::Result<()> {
+                Ok(())
+            }
+            fn size(&self) -> u64 {
+                1 << 30
+            }
+        }
+        assert!(parse(&mut DevArea::new(&Failing, 0, cap), &fsid, 9, head).is_err());
     }
 
     #[test]
@@ -689,11 +841,11 @@ mod tests {
             l.take_batch(&fsid, 5).is_none(),
             "the area is full up to the committing generation's first batch"
         );
-        let old = parse(&area, &fsid, 4, 5 * 4096);
+        let old = parse_image(&area, &fsid, 4, 5 * 4096);
         assert_eq!(old.batches.len(), 2);
         assert!(old.closed);
         assert_eq!(old.end, 7 * 4096);
-        let next = parse(&area, &fsid, 5, old.end);
+        let next = parse_image(&area, &fsid, 5, old.end);
         assert_eq!(next.batches.len(), 6, "read across the end of the area");
         assert_eq!(next.used, 6 * 4096);
         assert!(!next.closed);
@@ -730,9 +882,9 @@ mod tests {
         });
         put(&mut area, &other.take_batch(&fsid, 1).unwrap());
         put(&mut area, &b);
-        let got = parse(&area, &fsid, 2, 5 * 4096);
+        let got = parse_image(&area, &fsid, 2, 5 * 4096);
         assert_eq!(got.batches.len(), 1);
         assert_eq!((got.end, got.used), (8192, 3 * 4096));
-        assert_eq!(parse(&area, &fsid, 1, 5 * 4096).batches.len(), 1);
+        assert_eq!(parse_image(&area, &fsid, 1, 5 * 4096).batches.len(), 1);
     }
 }

@@ -909,14 +909,13 @@ pub(crate) fn log_batches(
     if !crate::log::starts_a_log(&at_head, &at_zero, &sb.fsid, generation) {
         return Ok((Vec::new(), 0));
     }
-    let mut area = vec![0u8; len as usize];
-    dev.read_at(&mut area, start)?;
-    let first = crate::log::parse(&area, &sb.fsid, generation, head);
+    let mut area = crate::log::DevArea::new(dev, start, len);
+    let first = crate::log::parse(&mut area, &sb.fsid, generation, head)?;
     let mut used = first.used;
     let mut found = first.batches;
     if first.closed {
         // A commit was in flight: the next generation's batches follow.
-        let next = crate::log::parse(&area, &sb.fsid, generation + 1, first.end);
+        let next = crate::log::parse(&mut area, &sb.fsid, generation + 1, first.end)?;
         used += next.used;
         found.extend(next.batches);
     }

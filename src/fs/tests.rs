@@ -962,3 +962,66 @@ fn library_creates_inherit_the_default_acl() {
     assert!(fs.getxattr(plain.ino, b"system.posix_acl_access").is_err());
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
+
+/// Mounting after a crash reads the log batches that are there, not the whole log
+/// area (up to 256 MiB on a large image), and replays them.
+#[test]
+fn a_crash_mount_reads_the_log_it_replays_not_the_whole_area() {
+    /// A device that counts the bytes read in a range.
+    struct Counting {
+        dev: MemDev,
+        range: std::ops::Range<u64>,
+        read: std::sync::atomic::AtomicU64,
+    }
+    impl BlockDev for Counting {
+        fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+            let end = off + buf.len() as u64;
+            let inside = end
+                .min(self.range.end)
+                .saturating_sub(off.max(self.range.start));
+            self.read
+                .fetch_add(inside, std::sync::atomic::Ordering::Relaxed);
+            self.dev.read_at(buf, off)
+        }
+        fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+            self.dev.write_at(buf, off)
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            self.dev.flush()
+        }
+        fn size(&self) -> u64 {
+            self.dev.size()
+        }
+    }
+    let (dev, fs) = mk(256 * MB);
+    let sb = crate::txn::Store::read_super(dev.as_ref()).unwrap();
+    assert!(sb.log_len >= 8 * MB);
+    let mut files = Vec::new();
+    for i in 0..3u8 {
+        let f = fs
+            .mknod(ROOT_INO, &[b'f', b'0' + i], 0o644, 0, cr())
+            .unwrap()
+            .ino;
+        fs.write(f, 0, &pattern(10_000, i)).unwrap();
+        fs.fsync(f, false).unwrap();
+        files.push(f);
+    }
+    // The power goes: the image as it is, without the commit an unmount makes.
+    let image = dev.image();
+    drop(fs);
+    let counting = Arc::new(Counting {
+        dev: MemDev::from_image(image),
+        range: sb.log_start..sb.log_start + sb.log_len,
+        read: Default::default(),
+    });
+    let fs = Fs::open(counting.clone(), Options::default()).unwrap();
+    for (i, &f) in files.iter().enumerate() {
+        assert_eq!(read_all(&fs, f), pattern(10_000, i as u8));
+    }
+    let read = counting.read.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        read < MB,
+        "read {read} bytes of a {}-byte log area",
+        sb.log_len
+    );
+}
