@@ -617,6 +617,8 @@ fn check_namespace(
     let mut entry_types: Vec<(u64, u64, u8)> = Vec::new(); // dir, ino, dtype
     let mut orphans = HashSet::new();
     let mut owners = HashSet::new();
+    let mut chunked: Vec<(u64, Vec<u8>, u64, u32)> = Vec::new(); // ino, name, base, len
+    let mut chunks: BTreeMap<(u64, u64), usize> = BTreeMap::new(); // (ino, offset) -> bytes
     for (k, v) in items {
         if k.objectid == objectid::ORPHAN {
             if k.ty == kind::ORPHAN_ITEM {
@@ -672,16 +674,48 @@ fn check_namespace(
                 }
                 _ => bad(w, "dir index"),
             },
-            kind::XATTR_ITEM => {
-                if decode_xattrs(v).is_none() {
-                    bad(w, "xattr item")
+            kind::XATTR_ITEM => match decode_xattrs(v) {
+                Some(l) => {
+                    for e in l {
+                        if let Some((base, len)) = e.chunks {
+                            chunked.push((k.objectid, e.name, base, len));
+                        }
+                    }
                 }
+                None => bad(w, "xattr item"),
+            },
+            kind::XATTR_CHUNK => {
+                chunks.insert((k.objectid, k.offset), v.len());
             }
             kind::SYMLINK | kind::EXTENT_DATA => {}
             _ => w.problem(format!("unknown item {k:?}")),
         }
     }
     w.rep.inodes = inodes.len() as u64;
+    // Each chunked xattr value has its chunks, in a row from its base and adding up
+    // to its length; every chunk belongs to one.
+    for (ino, name, base, len) in chunked {
+        let mut sum = 0;
+        let mut off = base;
+        while let Some(n) = chunks.remove(&(ino, off)) {
+            sum += n;
+            match off.checked_add(1) {
+                Some(o) => off = o,
+                None => break,
+            }
+        }
+        if sum != len as usize {
+            w.problem(format!(
+                "inode {ino}: xattr {:?} holds {sum} of its {len} bytes in chunks",
+                String::from_utf8_lossy(&name)
+            ));
+        }
+    }
+    for (ino, off) in chunks.keys() {
+        w.problem(format!(
+            "inode {ino}: xattr chunk {off:#x} belongs to no xattr"
+        ));
+    }
     for o in &owners {
         if !inodes.contains_key(o) {
             w.problem(format!("items of inode {o}, which has no inode item"));

@@ -70,12 +70,18 @@ fn describe(k: &Key, v: &[u8]) -> String {
             Some(l) => format!(
                 "XATTR_ITEM {}",
                 l.iter()
-                    .map(|e| format!("{:?} ({} bytes)", s(&e.name), e.value.len()))
+                    .map(|e| match e.chunks {
+                        Some((base, len)) => {
+                            format!("{:?} ({len} bytes in chunks from {base:#x})", s(&e.name))
+                        }
+                        None => format!("{:?} ({} bytes)", s(&e.name), e.value.len()),
+                    })
                     .collect::<Vec<_>>()
                     .join("; ")
             ),
             None => "XATTR_ITEM (malformed)".into(),
         },
+        kind::XATTR_CHUNK => format!("XATTR_CHUNK {} bytes", v.len()),
         kind::ORPHAN_ITEM => "ORPHAN_ITEM".into(),
         kind::SYMLINK => format!("SYMLINK -> {:?}", s(v)),
         kind::EXTENT_DATA => match FileExtent::read_from_bytes(v) {

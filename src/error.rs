@@ -45,6 +45,9 @@ pub enum Error {
     /// A value or file size beyond what the format stores.
     #[error("too large")]
     TooBig,
+    /// An xattr value longer than Linux allows (64 KiB).
+    #[error("xattr value too large")]
+    ArgTooBig,
     /// The filesystem is mounted read-only.
     #[error("read-only filesystem")]
     ReadOnly,
@@ -89,6 +92,7 @@ impl Error {
             Error::NoData => libc::ENODATA,
             Error::Range => libc::ERANGE,
             Error::TooBig => libc::EFBIG,
+            Error::ArgTooBig => libc::E2BIG,
             Error::ReadOnly => libc::EROFS,
             Error::NotSupported => libc::EOPNOTSUPP,
             Error::Corrupt { .. } | Error::BadImage(_) => libc::EIO,

@@ -1039,7 +1039,12 @@ fn generated_sequences_survive_every_power_cut() {
                 4 => Op::Unlink(f),
                 5 => Op::Rename(f, g),
                 6 => Op::Punch(f, rng.gen_range(0..20000), rng.gen_range(1..10000)),
-                7 => Op::SetXattr(f, "user.k", vec![rng.gen(); 40]),
+                // Now and then a value too large for one tree item (chunks).
+                7 => Op::SetXattr(
+                    f,
+                    "user.k",
+                    vec![rng.gen(); if rng.gen_ratio(1, 4) { 30_000 } else { 40 }],
+                ),
                 8 if rng.gen() => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
                 8 => Op::Zero(
                     f,

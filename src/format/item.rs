@@ -377,17 +377,33 @@ pub(crate) fn decode_inode_refs(buf: &[u8]) -> Option<Vec<InodeRef>> {
 pub struct XattrEntry {
     /// Full name, e.g. `user.comment`.
     pub name: Vec<u8>,
-    /// Value.
+    /// Value, when the entry holds it (empty when `chunks` is set).
     pub value: Vec<u8>,
+    /// Where a value too large for the entry is: the key offset of its first
+    /// XATTR_CHUNK item, and its length.
+    pub chunks: Option<(u64, u32)>,
 }
+
+/// Flag in an entry's value length: the value is in XATTR_CHUNK items, and the
+/// entry holds their base key offset instead.
+const XATTR_CHUNKED: u32 = 1 << 31;
 
 pub(crate) fn encode_xattrs(x: &[XattrEntry]) -> Vec<u8> {
     let mut out = Vec::new();
     for e in x {
         out.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
-        out.extend_from_slice(&(e.value.len() as u32).to_le_bytes());
-        out.extend_from_slice(&e.name);
-        out.extend_from_slice(&e.value);
+        match e.chunks {
+            Some((base, len)) => {
+                out.extend_from_slice(&(len | XATTR_CHUNKED).to_le_bytes());
+                out.extend_from_slice(&e.name);
+                out.extend_from_slice(&base.to_le_bytes());
+            }
+            None => {
+                out.extend_from_slice(&(e.value.len() as u32).to_le_bytes());
+                out.extend_from_slice(&e.name);
+                out.extend_from_slice(&e.value);
+            }
+        }
     }
     out
 }
@@ -397,10 +413,23 @@ pub(crate) fn decode_xattrs(buf: &[u8]) -> Option<Vec<XattrEntry>> {
     let mut v = Vec::new();
     while !r.is_empty() {
         let n = r.u16()? as usize;
-        let l = r.u32()? as usize;
+        let l = r.u32()?;
         let name = r.bytes(n)?.to_vec();
-        let value = r.bytes(l)?.to_vec();
-        v.push(XattrEntry { name, value });
+        if l & XATTR_CHUNKED != 0 {
+            let base = r.u64()?;
+            v.push(XattrEntry {
+                name,
+                value: Vec::new(),
+                chunks: Some((base, l & !XATTR_CHUNKED)),
+            });
+        } else {
+            let value = r.bytes(l as usize)?.to_vec();
+            v.push(XattrEntry {
+                name,
+                value,
+                chunks: None,
+            });
+        }
     }
     Some(v)
 }
@@ -429,11 +458,21 @@ mod tests {
         let b = encode_dir_entries(&d);
         assert_eq!(decode_dir_entries(&b).unwrap(), d);
         assert!(decode_dir_entries(&b[..b.len() - 1]).is_none());
-        let x = vec![XattrEntry {
-            name: b"user.a".to_vec(),
-            value: vec![1, 2],
-        }];
-        assert_eq!(decode_xattrs(&encode_xattrs(&x)).unwrap(), x);
+        let x = vec![
+            XattrEntry {
+                name: b"user.a".to_vec(),
+                value: vec![1, 2],
+                chunks: None,
+            },
+            XattrEntry {
+                name: b"user.big".to_vec(),
+                value: Vec::new(),
+                chunks: Some((0xABCD_0000, 65536)),
+            },
+        ];
+        let b = encode_xattrs(&x);
+        assert_eq!(decode_xattrs(&b).unwrap(), x);
+        assert!(decode_xattrs(&b[..b.len() - 1]).is_none());
         let r = vec![InodeRef {
             index: 9,
             name: b"n".to_vec(),

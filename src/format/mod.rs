@@ -61,7 +61,8 @@ pub const MAX_PREALLOC_SIZE: u64 = 128 << 20;
 pub const MAX_FILE_SIZE: u64 = 1 << 50;
 
 /// Incompatible feature flags this build understands; any other bit refuses the image.
-pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE | INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES;
+pub const INCOMPAT_SUPPORTED: u64 =
+    INCOMPAT_BASE | INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES | INCOMPAT_XATTR_CHUNKS;
 /// Base v1 format: CoW trees, extent refcounts, crc32c checksums, reserved log area.
 pub const INCOMPAT_BASE: u64 = 1;
 /// The log area is a ring: a generation's batches start at the superblock's
@@ -73,6 +74,11 @@ pub const INCOMPAT_LOG_RING: u64 = 2;
 /// piece written; and preallocated extents may be up to [`MAX_PREALLOC_SIZE`]. Set
 /// by every commit, so an older build never reads such an image.
 pub const INCOMPAT_CSUM_PIECES: u64 = 4;
+/// An xattr value too large for its XATTR_ITEM is stored in XATTR_CHUNK items, and
+/// its entry names them. Set when the first such value is written.
+pub const INCOMPAT_XATTR_CHUNKS: u64 = 8;
+/// Largest xattr value, as Linux limits it (`XATTR_SIZE_MAX`).
+pub const XATTR_SIZE_MAX: usize = 65536;
 
 /// Tree ids (objectids of ROOT_ITEMs in the root tree).
 pub mod tree {
@@ -94,6 +100,9 @@ pub mod kind {
     pub const INODE_REF: u8 = 12;
     /// Extended attributes, keyed by name hash.
     pub const XATTR_ITEM: u8 = 24;
+    /// A piece of an xattr value too large for its XATTR_ITEM, keyed by the base
+    /// its entry names plus the piece's index.
+    pub const XATTR_CHUNK: u8 = 25;
     /// An inode to free at mount.
     pub const ORPHAN_ITEM: u8 = 48;
     /// Directory entries keyed by name hash.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use super::*;
 use crate::dev::MemDev;
 use crate::error::Error;
+use crate::format::kind;
 
 const MB: u64 = 1 << 20;
 
@@ -578,10 +579,9 @@ fn small_nodes_refuse_items_they_cannot_hold() {
     let fs = Fs::open(dev.clone(), Options::default()).unwrap();
     let c = Creds::default();
     let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, c).unwrap().ino;
-    assert!(matches!(
-        fs.setxattr(f, b"user.big", &[7; 4000], false, false),
-        Err(Error::NoSpace)
-    ));
+    // An xattr value larger than an item goes into chunks, up to Linux's 64 KiB.
+    fs.setxattr(f, b"user.big", &pattern(65536, 3), false, false)
+        .unwrap();
     fs.setxattr(f, b"user.ok", &[7; 1900], false, false)
         .unwrap();
     assert!(matches!(
@@ -591,6 +591,7 @@ fn small_nodes_refuse_items_they_cannot_hold() {
     fs.symlink(ROOT_INO, b"m", &[b'x'; 1900], c).unwrap();
     fs.commit().unwrap();
     assert_eq!(fs.getxattr(f, b"user.ok").unwrap(), vec![7; 1900]);
+    assert_eq!(fs.getxattr(f, b"user.big").unwrap(), pattern(65536, 3));
     assert!(problems_after_unmount(&dev, fs).is_empty());
 }
 
@@ -1024,4 +1025,161 @@ fn a_crash_mount_reads_the_log_it_replays_not_the_whole_area() {
         "read {read} bytes of a {}-byte log area",
         sb.log_len
     );
+}
+
+/// The number of XATTR_CHUNK items of `ino` in the fs tree.
+fn xattr_chunks(fs: &Fs, ino: u64) -> usize {
+    let mut g = fs.inner.lock();
+    g.store
+        .range(
+            tree::FS,
+            &Key::new(ino, kind::XATTR_CHUNK, 0),
+            &Key::new(ino, kind::XATTR_CHUNK + 1, 0),
+            usize::MAX,
+        )
+        .unwrap()
+        .len()
+}
+
+/// xattr values up to 64 KiB: those too large for an item go into chunks, which a
+/// replacement, a removal and the file's deletion take away with them; they survive
+/// a remount and a crash after fsync (the log), and check finds nothing wrong.
+#[test]
+fn xattr_values_up_to_64_kib_go_into_chunks_and_leave_none_behind() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let sizes = [0usize, 100, 6000, 7000, 7001, 20_000, 65_535, 65_536];
+    for (i, &n) in sizes.iter().enumerate() {
+        let name = format!("user.v{n}");
+        fs.setxattr(f, name.as_bytes(), &pattern(n, i as u8), false, false)
+            .unwrap();
+    }
+    for (i, &n) in sizes.iter().enumerate() {
+        let name = format!("user.v{n}");
+        assert_eq!(
+            fs.getxattr(f, name.as_bytes()).unwrap(),
+            pattern(n, i as u8),
+            "{n}"
+        );
+    }
+    assert_eq!(fs.listxattr(f).unwrap().len(), sizes.len());
+    assert!(xattr_chunks(&fs, f) > 0);
+    assert!(matches!(
+        fs.setxattr(f, b"user.over", &vec![1; 65_537], false, false),
+        Err(Error::ArgTooBig)
+    ));
+    // Large to large, large to small, small to large.
+    fs.setxattr(f, b"user.v65536", &pattern(30_000, 50), false, false)
+        .unwrap();
+    fs.setxattr(f, b"user.v20000", b"small now", false, false)
+        .unwrap();
+    fs.setxattr(f, b"user.v100", &pattern(40_000, 51), false, false)
+        .unwrap();
+    assert_eq!(fs.getxattr(f, b"user.v65536").unwrap(), pattern(30_000, 50));
+    assert_eq!(fs.getxattr(f, b"user.v20000").unwrap(), b"small now");
+    assert_eq!(fs.getxattr(f, b"user.v100").unwrap(), pattern(40_000, 51));
+    assert_eq!(check_image_after_commit(&fs, &dev), Vec::<String>::new());
+    fs.removexattr(f, b"user.v65535").unwrap();
+    assert!(matches!(fs.getxattr(f, b"user.v65535"), Err(Error::NoData)));
+    // An fsynced large value survives a crash (replayed from the log).
+    let g = fs.mknod(ROOT_INO, b"g", 0o644, 0, cr()).unwrap().ino;
+    fs.setxattr(g, b"user.big", &pattern(50_000, 9), false, false)
+        .unwrap();
+    fs.fsync(g, false).unwrap();
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    {
+        let fs2 = Fs::open(crashed.clone(), Options::default()).unwrap();
+        assert_eq!(fs2.getxattr(g, b"user.big").unwrap(), pattern(50_000, 9));
+        assert!(problems_after_unmount(&crashed, fs2).is_empty());
+    }
+    let fs = remount(&dev, fs);
+    assert_eq!(fs.getxattr(f, b"user.v100").unwrap(), pattern(40_000, 51));
+    assert_eq!(fs.getxattr(g, b"user.big").unwrap(), pattern(50_000, 9));
+    // Removing the file removes its chunks.
+    fs.unlink(ROOT_INO, b"f").unwrap();
+    assert_eq!(xattr_chunks(&fs, f), 0);
+    fs.removexattr(g, b"user.big").unwrap();
+    assert_eq!(xattr_chunks(&fs, g), 0);
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}
+
+/// Commits and runs check on the image as it is.
+fn check_image_after_commit(fs: &Fs, dev: &MemDev) -> Vec<String> {
+    fs.commit().unwrap();
+    check_image(dev)
+}
+
+/// A value whose chunk base is taken (by a chunk no entry names, here) moves on to
+/// the next free base and leaves the other chunks alone; check reports a chunk that
+/// belongs to no xattr, and a value whose chunks do not add up.
+#[test]
+fn xattr_chunks_never_share_a_base_and_check_finds_strays() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let base = crate::format::name_hash(b"user.x") & !0xFFFF;
+    {
+        let mut g = fs.inner.lock();
+        g.store
+            .insert(tree::FS, Key::new(f, kind::XATTR_CHUNK, base), vec![9; 10])
+            .unwrap();
+    }
+    fs.setxattr(f, b"user.x", &pattern(30_000, 1), false, false)
+        .unwrap();
+    assert_eq!(fs.getxattr(f, b"user.x").unwrap(), pattern(30_000, 1));
+    {
+        let mut g = fs.inner.lock();
+        assert_eq!(
+            g.store
+                .search(tree::FS, &Key::new(f, kind::XATTR_CHUNK, base))
+                .unwrap(),
+            Some(vec![9; 10]),
+            "the other chunk is untouched"
+        );
+    }
+    let p = check_image_after_commit(&fs, &dev);
+    assert!(
+        p.len() == 1 && p[0].contains("belongs to no xattr"),
+        "{p:?}"
+    );
+    // Drop the stray, then one of the value's own chunks.
+    {
+        let mut g = fs.inner.lock();
+        g.store
+            .delete(tree::FS, &Key::new(f, kind::XATTR_CHUNK, base))
+            .unwrap();
+        g.store
+            .delete(
+                tree::FS,
+                &Key::new(f, kind::XATTR_CHUNK, base + 0x10000 + 1),
+            )
+            .unwrap();
+    }
+    let p = check_image_after_commit(&fs, &dev);
+    assert!(p.iter().any(|p| p.contains("in chunks")), "{p:?}");
+    assert!(matches!(
+        fs.getxattr(f, b"user.x"),
+        Err(Error::Corrupt { .. })
+    ));
+}
+
+/// A snapshot keeps the large xattr value it was taken with.
+#[test]
+fn a_snapshot_keeps_its_large_xattr_values() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.setxattr(f, b"user.big", &pattern(40_000, 1), false, false)
+        .unwrap();
+    fs.snapshot_create(b"s").unwrap();
+    fs.setxattr(f, b"user.big", &pattern(60_000, 2), false, false)
+        .unwrap();
+    let s = fs.lookup(SNAPSHOTS_INO, b"s").unwrap().ino;
+    let sf = fs.lookup(s, b"f").unwrap().ino;
+    assert_eq!(fs.getxattr(sf, b"user.big").unwrap(), pattern(40_000, 1));
+    assert_eq!(fs.getxattr(f, b"user.big").unwrap(), pattern(60_000, 2));
+    let fs = remount(&dev, fs);
+    assert_eq!(fs.getxattr(sf, b"user.big").unwrap(), pattern(40_000, 1));
+    fs.snapshot_delete(b"s").unwrap();
+    while fs.drop_deleted(1000).unwrap() {}
+    assert_eq!(fs.getxattr(f, b"user.big").unwrap(), pattern(60_000, 2));
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }

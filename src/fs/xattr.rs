@@ -1,10 +1,30 @@
 //! Extended attributes: XATTR_ITEMs keyed by name hash, each a list of (name, value).
+//!
+//! A value too large for its item (more than about 7 KiB with 16 KiB nodes, up to
+//! Linux's 64 KiB) goes into XATTR_CHUNK items of its own, each as large as an item
+//! may be, keyed by a base plus the chunk's index; the entry names the base and the
+//! length. The base is the name's hash with its low 16 bits clear, moved on by
+//! 2^16 while another value's chunks are there, so two names never share chunks.
 
 use super::Inner;
 use crate::error::{Error, Result};
 use crate::format::{
     decode_xattrs, encode_xattrs, kind, name_hash, tree, Key, Timespec, XattrEntry,
+    INCOMPAT_XATTR_CHUNKS, XATTR_SIZE_MAX,
 };
+
+/// Chunk indexes one value's base leaves room for.
+const CHUNK_SPAN: u64 = 1 << 16;
+
+/// The keys of the chunks a value at `base` may have: from the first to the end.
+fn chunk_range(ino: u64, base: u64) -> (Key, Key) {
+    let start = Key::new(ino, kind::XATTR_CHUNK, base);
+    let end = match base.checked_add(CHUNK_SPAN) {
+        Some(e) => Key::new(ino, kind::XATTR_CHUNK, e),
+        None => Key::new(ino, kind::XATTR_CHUNK + 1, 0),
+    };
+    (start, end)
+}
 
 /// Longest xattr name, as Linux limits it.
 const XATTR_NAME_MAX: usize = 255;
@@ -49,6 +69,9 @@ impl Inner {
         replace: bool,
     ) -> Result<()> {
         Self::check_xattr_name(name)?;
+        if value.len() > XATTR_SIZE_MAX {
+            return Err(Error::ArgTooBig);
+        }
         self.get_inode(ino)?;
         let mut list = self.xattr_list(ino, name)?;
         let pos = list.iter().position(|e| e.name == name);
@@ -58,20 +81,107 @@ impl Inner {
             _ => {}
         }
         self.need_room()?;
-        let e = XattrEntry {
-            name: name.to_vec(),
-            value: value.to_vec(),
+        let old = pos.and_then(|p| list[p].chunks);
+        let p = match pos {
+            Some(p) => p,
+            None => {
+                list.push(XattrEntry {
+                    name: name.to_vec(),
+                    value: Vec::new(),
+                    chunks: None,
+                });
+                list.len() - 1
+            }
         };
-        match pos {
-            Some(p) => list[p] = e,
-            None => list.push(e),
+        list[p].value = value.to_vec();
+        list[p].chunks = None;
+        let max = self.store.max_item_size();
+        let mut enc = encode_xattrs(&list);
+        let mut written = None;
+        if enc.len() > max {
+            // Too large for the item: the value goes into chunks of its own.
+            let base = self.free_chunk_base(ino, name, old.map(|(b, _)| b))?;
+            list[p].value = Vec::new();
+            list[p].chunks = Some((base, value.len() as u32));
+            enc = encode_xattrs(&list);
+            if enc.len() > max {
+                return Err(Error::NoSpace);
+            }
+            self.write_chunks(ino, base, value, max)?;
+            self.store.sb.incompat |= INCOMPAT_XATTR_CHUNKS;
+            written = Some(base);
         }
-        let enc = encode_xattrs(&list);
-        if enc.len() > self.store.max_item_size() {
-            return Err(Error::NoSpace);
+        if let Err(e) = self.store.insert(tree::FS, xattr_key(ino, name), enc) {
+            if let Some(base) = written {
+                let _ = self.delete_chunks(ino, base);
+            }
+            return Err(e);
         }
-        self.store.insert(tree::FS, xattr_key(ino, name), enc)?;
+        if let Some((base, _)) = old {
+            self.delete_chunks(ino, base)?;
+        }
         self.touch_ctime(ino)
+    }
+
+    /// A base for new chunks of `name`'s value on `ino`: one no other value's chunks
+    /// use, and not `avoid` (the value's old chunks, deleted only once the new ones
+    /// are in place).
+    fn free_chunk_base(&mut self, ino: u64, name: &[u8], avoid: Option<u64>) -> Result<u64> {
+        let mut base = name_hash(name) & !(CHUNK_SPAN - 1);
+        loop {
+            let (start, end) = chunk_range(ino, base);
+            if Some(base) != avoid && self.store.range(tree::FS, &start, &end, 1)?.is_empty() {
+                return Ok(base);
+            }
+            base = base.wrapping_add(CHUNK_SPAN);
+        }
+    }
+
+    /// Writes `value` as chunks of at most `max` bytes from `base`; on an error,
+    /// removes the ones written.
+    fn write_chunks(&mut self, ino: u64, base: u64, value: &[u8], max: usize) -> Result<()> {
+        for (i, piece) in value.chunks(max).enumerate() {
+            let k = Key::new(ino, kind::XATTR_CHUNK, base + i as u64);
+            if let Err(e) = self.store.insert(tree::FS, k, piece.to_vec()) {
+                let _ = self.delete_chunks(ino, base);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes the chunks of the value at `base`.
+    fn delete_chunks(&mut self, ino: u64, base: u64) -> Result<()> {
+        let (start, end) = chunk_range(ino, base);
+        for (k, _) in self.store.range(tree::FS, &start, &end, usize::MAX)? {
+            self.store.delete(tree::FS, &k)?;
+        }
+        Ok(())
+    }
+
+    /// The value of entry `e` of `ino`: its own, or read from its chunks.
+    fn xattr_value(&mut self, ino: u64, e: XattrEntry) -> Result<Vec<u8>> {
+        let Some((base, len)) = e.chunks else {
+            return Ok(e.value);
+        };
+        let (t, local) = super::snapshot::split(ino);
+        let (start, end) = chunk_range(local, base);
+        let mut value = Vec::with_capacity((len as usize).min(XATTR_SIZE_MAX));
+        for (i, (k, v)) in self
+            .store
+            .range(t, &start, &end, usize::MAX)?
+            .into_iter()
+            .enumerate()
+        {
+            if k.offset != base.wrapping_add(i as u64) {
+                return Err(Error::corrupt("xattr chunk", ino, "missing chunk"));
+            }
+            value.extend_from_slice(&v);
+        }
+        if value.len() != len as usize {
+            return Err(Error::corrupt("xattr chunk", ino, "wrong length"));
+        }
+        Ok(value)
     }
 
     pub(crate) fn getxattr(&mut self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
@@ -80,11 +190,12 @@ impl Inner {
             return Err(Error::NoData);
         }
         self.get_inode(ino)?;
-        self.xattr_list(ino, name)?
+        let e = self
+            .xattr_list(ino, name)?
             .into_iter()
             .find(|e| e.name == name)
-            .map(|e| e.value)
-            .ok_or(Error::NoData)
+            .ok_or(Error::NoData)?;
+        self.xattr_value(ino, e)
     }
 
     pub(crate) fn listxattr(&mut self, ino: u64) -> Result<Vec<Vec<u8>>> {
@@ -116,12 +227,15 @@ impl Inner {
             .iter()
             .position(|e| e.name == name)
             .ok_or(Error::NoData)?;
-        list.remove(pos);
+        let gone = list.remove(pos);
         let k = xattr_key(ino, name);
         if list.is_empty() {
             self.store.delete(tree::FS, &k)?;
         } else {
             self.store.insert(tree::FS, k, encode_xattrs(&list))?;
+        }
+        if let Some((base, _)) = gone.chunks {
+            self.delete_chunks(ino, base)?;
         }
         self.touch_ctime(ino)
     }
