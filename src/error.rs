@@ -45,6 +45,9 @@ pub enum Error {
     /// A value or file size beyond what the format stores.
     #[error("too large")]
     TooBig,
+    /// No data (or hole) at or after an offset: it is at or past the end of the file.
+    #[error("offset at or past the end of the file")]
+    PastEnd,
     /// An xattr value longer than Linux allows (64 KiB).
     #[error("xattr value too large")]
     ArgTooBig,
@@ -93,6 +96,7 @@ impl Error {
             Error::Range => libc::ERANGE,
             Error::TooBig => libc::EFBIG,
             Error::ArgTooBig => libc::E2BIG,
+            Error::PastEnd => libc::ENXIO,
             Error::ReadOnly => libc::EROFS,
             Error::NotSupported => libc::EOPNOTSUPP,
             Error::Corrupt { .. } | Error::BadImage(_) => libc::EIO,

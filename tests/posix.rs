@@ -3706,3 +3706,72 @@ fn mkfs_preallocate_writes_the_whole_image_and_mounts() {
     assert_eq!(fs::read(m.path("f")).unwrap(), b"after preallocate");
     m.unmount();
 }
+
+// ---------------------------------------------------------------------------
+// SEEK_DATA / SEEK_HOLE
+// ---------------------------------------------------------------------------
+
+/// lseek with `whence` on `f`: the offset, or the errno.
+fn seek(f: &File, off: u64, whence: i32) -> Result<u64, i32> {
+    let r = unsafe { libc::lseek(f.as_raw_fd(), off as libc::off_t, whence) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap())
+    } else {
+        Ok(r as u64)
+    }
+}
+
+/// SEEK_DATA and SEEK_HOLE find a sparse file's data and holes, so `cp` keeps it
+/// sparse; while a handle is open for writing (its data may sit in the kernel's
+/// cache, unseen by birchfs), no data is ever reported as a hole.
+#[test]
+fn seek_data_and_hole_through_the_mount() {
+    const MB: u64 = 1 << 20;
+    let mut m = Mount::new();
+    let p = m.path("sparse");
+    {
+        let f = File::create(&p).unwrap();
+        f.write_all_at(&[7; 4096], MB).unwrap();
+        f.write_all_at(&[8; 8192], 3 * MB).unwrap();
+        f.set_len(5 * MB).unwrap();
+    }
+    let f = File::open(&p).unwrap();
+    let (data, hole) = (libc::SEEK_DATA, libc::SEEK_HOLE);
+    assert_eq!(seek(&f, 0, data), Ok(MB));
+    assert_eq!(seek(&f, 0, hole), Ok(0));
+    assert_eq!(seek(&f, MB + 100, hole), Ok(MB + 4096));
+    assert_eq!(seek(&f, MB + 4096, data), Ok(3 * MB));
+    assert_eq!(seek(&f, 3 * MB, hole), Ok(3 * MB + 8192));
+    assert_eq!(seek(&f, 3 * MB + 8192, data), Err(libc::ENXIO));
+    assert_eq!(seek(&f, 5 * MB, hole), Err(libc::ENXIO));
+    let copy = m.path("copy");
+    let out = Command::new("cp")
+        .arg("--sparse=always")
+        .arg(&p)
+        .arg(&copy)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(fs::read(&copy).unwrap(), fs::read(&p).unwrap());
+    assert!(
+        fs::metadata(&copy).unwrap().blocks() <= 64,
+        "the copy is not sparse: {} blocks",
+        fs::metadata(&copy).unwrap().blocks()
+    );
+    // A writer's data, cached by the kernel, at 4 MiB.
+    let w = OpenOptions::new().write(true).open(&p).unwrap();
+    w.write_all_at(&[9; 4096], 4 * MB).unwrap();
+    let d = seek(&f, 3 * MB + 8192, data).expect("data after 3 MiB");
+    assert!(d <= 4 * MB, "the writer's data at 4 MiB skipped: {d}");
+    let h = seek(&f, 4 * MB, hole).unwrap();
+    assert!(
+        h >= 4 * MB + 4096,
+        "a hole reported in the writer's data: {h}"
+    );
+    drop(w);
+    let mut all = Vec::new();
+    File::open(&p).unwrap().read_to_end(&mut all).unwrap();
+    assert_eq!(&all[4 * MB as usize..4 * MB as usize + 4096], &[9; 4096]);
+    drop(f);
+    m.unmount();
+}

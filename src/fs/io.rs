@@ -626,6 +626,46 @@ impl Fs {
         Ok(())
     }
 
+    /// Where the data (`data`: SEEK_DATA) or the hole (SEEK_HOLE) at or after `offset`
+    /// of file `ino` begins, once its dirty blocks are written back: written extents
+    /// are data; gaps between them and preallocated extents read as zeros and are
+    /// holes, as on btrfs, and the end of the file starts one. [`Error::PastEnd`]
+    /// (ENXIO) when `offset` is at or past the end, or no data follows it.
+    pub fn seek_data_hole(&self, ino: u64, offset: u64, data: bool) -> Result<u64> {
+        let a = self.getattr(ino)?;
+        if a.kind != super::FileKind::File {
+            return Err(Error::Invalid("not a regular file"));
+        }
+        if offset >= a.size {
+            return Err(Error::PastEnd);
+        }
+        self.writeback(ino, u64::MAX)?;
+        let size = self.getattr(ino)?.size;
+        let mut written: Vec<(u64, u64)> = self
+            .with(|i| i.extents_in(ino, offset, size))?
+            .into_iter()
+            .filter(|(_, fe)| fe.kind != crate::format::FILE_EXTENT_PREALLOC)
+            .map(|(off, fe)| (off, off + fe.num_bytes.get()))
+            .collect();
+        written.sort_unstable();
+        if data {
+            return written
+                .iter()
+                .find(|&&(_, end)| end > offset)
+                .map(|&(start, _)| start.max(offset))
+                .filter(|&p| p < size)
+                .ok_or(Error::PastEnd);
+        }
+        let mut pos = offset;
+        for (start, end) in written {
+            if start > pos {
+                break;
+            }
+            pos = pos.max(end);
+        }
+        Ok(pos.min(size))
+    }
+
     /// Bytes of `ino`'s data dirty in the cache, waiting for writeback.
     pub fn dirty_bytes_of(&self, ino: u64) -> u64 {
         self.cache.dirty_blocks_of(ino) * BS

@@ -1183,3 +1183,61 @@ fn a_snapshot_keeps_its_large_xattr_values() {
     assert_eq!(fs.getxattr(f, b"user.big").unwrap(), pattern(60_000, 2));
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
+
+/// SEEK_DATA and SEEK_HOLE: written extents are data, also those still dirty in the
+/// cache (written back first); gaps, preallocated ranges and the end are holes;
+/// ENXIO at or past the end, or when no data follows.
+#[test]
+fn seek_data_and_hole_follow_the_extents_and_the_cache() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let seek = |off: u64, data: bool| fs.seek_data_hole(f, off, data);
+    let past = |r: Result<u64>| assert!(matches!(r, Err(Error::PastEnd)), "{r:?}");
+    past(seek(0, true));
+    // Written and committed at 1 MiB; dirty only in the cache at 3 MiB; preallocated
+    // at 5 MiB; the file ends at 8 MiB.
+    fs.write(f, MB, &pattern(4096, 1)).unwrap();
+    fs.commit().unwrap();
+    fs.write(f, 3 * MB + 100, &pattern(10_000, 2)).unwrap();
+    assert!(fs.dirty_bytes_of(f) > 0);
+    let keep = FallocMode {
+        keep_size: true,
+        punch_hole: false,
+        zero_range: false,
+    };
+    fs.fallocate(f, 5 * MB, MB, keep).unwrap();
+    fs.setattr(
+        f,
+        &SetAttr {
+            size: Some(8 * MB),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(seek(0, true).unwrap(), MB);
+    assert_eq!(seek(0, false).unwrap(), 0);
+    assert_eq!(seek(MB + 10, true).unwrap(), MB + 10);
+    assert_eq!(seek(MB + 10, false).unwrap(), MB + 4096);
+    assert_eq!(seek(MB + 4096, true).unwrap(), 3 * MB, "the cached write");
+    assert_eq!(fs.dirty_bytes_of(f), 0, "written back first");
+    assert_eq!(seek(3 * MB, false).unwrap(), 3 * MB + 12_288);
+    past(seek(3 * MB + 12_288, true));
+    assert_eq!(seek(5 * MB, false).unwrap(), 5 * MB, "preallocated: a hole");
+    assert_eq!(seek(8 * MB - 1, false).unwrap(), 8 * MB - 1);
+    past(seek(8 * MB, true));
+    past(seek(8 * MB, false));
+    // A preallocated block written in place becomes data.
+    fs.write(f, 5 * MB + 8192, &pattern(4096, 3)).unwrap();
+    assert_eq!(seek(4 * MB, true).unwrap(), 5 * MB + 8192);
+    assert_eq!(seek(5 * MB + 8192, false).unwrap(), 5 * MB + 12_288);
+    // A file whose last block holds its end: the hole starts at the size.
+    let g = fs.mknod(ROOT_INO, b"g", 0o644, 0, cr()).unwrap().ino;
+    fs.write(g, 0, &pattern(5000, 4)).unwrap();
+    assert_eq!(fs.seek_data_hole(g, 0, false).unwrap(), 5000);
+    assert_eq!(fs.seek_data_hole(g, 4999, true).unwrap(), 4999);
+    assert!(matches!(
+        fs.seek_data_hole(ROOT_INO, 0, true),
+        Err(Error::Invalid(_))
+    ));
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}

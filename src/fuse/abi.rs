@@ -57,6 +57,7 @@ pub(crate) const BATCH_FORGET: u32 = 42;
 pub(crate) const FALLOCATE: u32 = 43;
 pub(crate) const READDIRPLUS: u32 = 44;
 pub(crate) const RENAME2: u32 = 45;
+pub(crate) const LSEEK: u32 = 46;
 pub(crate) const COPY_FILE_RANGE: u32 = 47;
 
 /// setattr's `valid` bits.

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr,
 };
 
 /// Any answer: it can carry an error.
@@ -55,6 +55,12 @@ pub(crate) trait AnswerOpen: Answer {
 pub(crate) trait AnswerWrite: Answer {
     /// Answers that `size` bytes were written.
     fn written(self, size: u32);
+}
+
+/// An answer with a file offset (lseek's SEEK_DATA and SEEK_HOLE).
+pub(crate) trait AnswerLseek: Answer {
+    /// Answers with `offset`.
+    fn offset(self, offset: u64);
 }
 
 /// An answer to a create: the new entry and its open file.
@@ -149,6 +155,7 @@ fuser_answer!(
     ReplyData,
     ReplyOpen,
     ReplyWrite,
+    ReplyLseek,
     ReplyCreate,
     ReplyStatfs,
     ReplyXattr,
@@ -189,6 +196,12 @@ impl AnswerOpen for ReplyOpen {
 impl AnswerWrite for ReplyWrite {
     fn written(self, size: u32) {
         ReplyWrite::written(self, size)
+    }
+}
+
+impl AnswerLseek for ReplyLseek {
+    fn offset(self, offset: u64) {
+        ReplyLseek::offset(self, offset as i64)
     }
 }
 

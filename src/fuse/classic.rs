@@ -12,8 +12,8 @@ use fuser::{
     AccessFlags, CopyFileRangeFlags, Errno, FileHandle, Filesystem, INodeNo, InitFlags, IoctlFlags,
     KernelConfig, LockOwner, OpenFlags, PollEvents, PollFlags, PollNotifier, RenameFlags,
     ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
-    ReplyIoctl, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
-    WriteFlags,
+    ReplyIoctl, ReplyLseek, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
+    TimeOrNow, WriteFlags,
 };
 
 use super::ops::{Caller, FuseFs, SetAttrIn};
@@ -294,12 +294,12 @@ impl Filesystem for FuseFs {
         _req: &Request,
         ino: INodeNo,
         fh: FileHandle,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        FuseFs::release(self, ino.0, fh.0, reply)
+        FuseFs::release(self, ino.0, fh.0, flags.0, reply)
     }
 
     fn fsync(
@@ -401,7 +401,7 @@ impl Filesystem for FuseFs {
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _flags: i32,
+        flags: i32,
         reply: ReplyCreate,
     ) {
         FuseFs::create(
@@ -411,6 +411,7 @@ impl Filesystem for FuseFs {
             name.as_bytes(),
             mode,
             umask,
+            flags,
             reply,
         )
     }
@@ -460,6 +461,21 @@ impl Filesystem for FuseFs {
         reply: ReplyPoll,
     ) {
         reply.error(Errno::ENOSYS);
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
+        match u64::try_from(offset) {
+            Ok(off) => FuseFs::lseek(self, ino.0, off, whence, reply),
+            Err(_) => reply.error(Errno::ENXIO),
+        }
     }
 
     fn copy_file_range(

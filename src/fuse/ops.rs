@@ -21,7 +21,7 @@ use fuser::{
 
 use super::answer::{
     done, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty, AnswerEntry,
-    AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
+    AnswerLseek, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
 };
 use super::direct::{opens_to_write, DirectReads, DIRECT_FH};
 use super::group::{FsyncQueue, PendingFsync, Preparing};
@@ -98,6 +98,8 @@ pub struct FuseFs {
     pub(crate) direct: Arc<DirectReads>,
     /// Open directory handles.
     dirs: Arc<DirHandles>,
+    /// Handles open for writing, per inode (see [`FuseFs::lseek`]).
+    writers: Arc<parking_lot::Mutex<std::collections::HashMap<u64, u32>>>,
     /// Tells the kernel of changes the daemon makes on its own (set once mounted).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
@@ -116,6 +118,7 @@ impl FuseFs {
             acls: Default::default(),
             direct: Arc::new(DirectReads::new(None)),
             dirs: Default::default(),
+            writers: Default::default(),
             notifier: Default::default(),
         }
     }
@@ -700,13 +703,16 @@ impl FuseFs {
                 let _ = self.fs.release(a.ino);
                 reply.error(err(libc::EISDIR))
             }
-            Ok(a) if a.kind == FileKind::File => match self.direct.open(a.ino, flags, a.size) {
-                DIRECT_FH => reply.opened(
-                    FileHandle(DIRECT_FH),
-                    FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
-                ),
-                fh => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
-            },
+            Ok(a) if a.kind == FileKind::File => {
+                self.writer_opened(a.ino, flags);
+                match self.direct.open(a.ino, flags, a.size) {
+                    DIRECT_FH => reply.opened(
+                        FileHandle(DIRECT_FH),
+                        FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_KEEP_CACHE,
+                    ),
+                    fh => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
+                }
+            }
             Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
             Err(e) => reply.error(errno(&e)),
         }
@@ -773,7 +779,53 @@ impl FuseFs {
         reply.error(err(libc::ENOSYS))
     }
 
-    pub(crate) fn release(&self, nodeid: u64, fh: u64, reply: impl AnswerEmpty) {
+    /// Counts a handle of `ino` opened with `flags` if it writes, until its release.
+    fn writer_opened(&self, ino: u64, flags: i32) {
+        if flags & libc::O_ACCMODE != libc::O_RDONLY {
+            *self.writers.lock().entry(ino).or_default() += 1;
+        }
+    }
+
+    /// SEEK_DATA and SEEK_HOLE, from birchfs's extents once its cache of the file is
+    /// written back. The kernel does not write back its own dirty pages before it
+    /// asks, so while a handle of the file is open for writing, data may sit where
+    /// this answer cannot see it, and a hole reported there would make `cp` or `tar`
+    /// skip it. Then the answer is ENOSYS, after which the kernel answers these
+    /// itself for the rest of the mount (all data up to the size, as before birchfs
+    /// answered them). Once the last writer is released, the kernel has written its
+    /// pages back (it does so on every close and release).
+    pub(crate) fn lseek(&self, nodeid: u64, offset: u64, whence: i32, reply: impl AnswerLseek) {
+        let ino = to_ino(nodeid);
+        let data = match whence {
+            libc::SEEK_DATA => true,
+            libc::SEEK_HOLE => false,
+            _ => return reply.error(err(libc::EINVAL)),
+        };
+        if self.writers.lock().get(&ino).is_some_and(|&n| n > 0) {
+            tracing::info!(
+                "SEEK_DATA/SEEK_HOLE on inode {ino}, open for writing: the kernel answers \
+                 them itself from now on"
+            );
+            return reply.error(err(libc::ENOSYS));
+        }
+        match self.fs.seek_data_hole(ino, offset, data) {
+            Ok(p) => reply.offset(p),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// Closes handle `fh`, opened with `flags` (the kernel's own, as at open).
+    pub(crate) fn release(&self, nodeid: u64, fh: u64, flags: i32, reply: impl AnswerEmpty) {
+        if flags & libc::O_ACCMODE != libc::O_RDONLY {
+            let mut w = self.writers.lock();
+            let ino = to_ino(nodeid);
+            if let Some(n) = w.get_mut(&ino) {
+                *n -= 1;
+                if *n == 0 {
+                    w.remove(&ino);
+                }
+            }
+        }
         self.direct.release(to_ino(nodeid), fh);
         empty(self.fs.release(to_ino(nodeid)), reply)
     }
@@ -968,6 +1020,7 @@ impl FuseFs {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn create(
         &self,
         c: &Caller,
@@ -975,6 +1028,7 @@ impl FuseFs {
         name: &[u8],
         mode: u32,
         umask: u32,
+        flags: i32,
         reply: impl AnswerCreate,
     ) {
         let r = self
@@ -986,6 +1040,7 @@ impl FuseFs {
         match r {
             Ok(a) => {
                 self.direct.created(a.ino);
+                self.writer_opened(a.ino, flags);
                 reply.created(
                     &TTL,
                     &fattr(&a),
@@ -1071,5 +1126,105 @@ fn sized(v: &[u8], size: u32, reply: impl AnswerXattr) {
         reply.error(err(libc::ERANGE))
     } else {
         reply.data(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::{channel, Sender};
+
+    use super::*;
+    use crate::dev::MemDev;
+    use crate::fs::{MkfsOptions, Options};
+    use crate::fuse::answer::Answer;
+
+    /// What a handler answered: an errno, an offset, a file handle or nothing.
+    #[derive(Debug, PartialEq)]
+    enum Got {
+        Err(i32),
+        Offset(u64),
+        Handle(u64),
+        Ok,
+    }
+
+    /// An answer that reports what it was given.
+    struct Reply(Sender<Got>);
+
+    impl Answer for Reply {
+        fn error(self, e: Errno) {
+            let _ = self.0.send(Got::Err(e.code()));
+        }
+    }
+    impl AnswerLseek for Reply {
+        fn offset(self, offset: u64) {
+            let _ = self.0.send(Got::Offset(offset));
+        }
+    }
+    impl AnswerOpen for Reply {
+        fn opened(self, fh: FileHandle, _: FopenFlags) {
+            let _ = self.0.send(Got::Handle(fh.0));
+        }
+    }
+    impl AnswerCreate for Reply {
+        fn created(self, _: &Duration, _: &FileAttr, _: Generation, fh: FileHandle, _: FopenFlags) {
+            let _ = self.0.send(Got::Handle(fh.0));
+        }
+    }
+    impl AnswerEmpty for Reply {
+        fn ok(self) {
+            let _ = self.0.send(Got::Ok);
+        }
+    }
+
+    /// SEEK_DATA answers from birchfs's extents only while no handle of the file is
+    /// open for writing (the kernel may cache a writer's data): then ENOSYS, and
+    /// again an answer once every writer, opened or created, is released.
+    #[test]
+    fn seek_data_is_declined_while_a_writer_is_open() {
+        let dev = Arc::new(MemDev::new(64 << 20));
+        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+        let fs = Arc::new(Fs::open(dev, Options::default()).unwrap());
+        let ffs = FuseFs::new(fs.clone());
+        let (tx, rx) = channel();
+        let r = || Reply(tx.clone());
+        let c = Caller {
+            uid: 0,
+            gid: 0,
+            pid: 1,
+        };
+        ffs.create(&c, ROOT_INO, b"f", 0o100644, 0, libc::O_WRONLY, r());
+        let Got::Handle(created) = rx.recv().unwrap() else {
+            panic!("create failed")
+        };
+        let ino = fs.lookup(ROOT_INO, b"f").unwrap().ino;
+        fs.write(ino, 1 << 20, &[5; 4096]).unwrap();
+        let seek = || {
+            ffs.lseek(ino, 0, libc::SEEK_DATA, r());
+            rx.recv().unwrap()
+        };
+        assert_eq!(seek(), Got::Err(libc::ENOSYS), "created for writing");
+        ffs.release(ino, created, libc::O_WRONLY, r());
+        assert_eq!(rx.recv().unwrap(), Got::Ok);
+        assert_eq!(seek(), Got::Offset(1 << 20));
+        ffs.open(ino, libc::O_RDONLY, r());
+        let Got::Handle(reader) = rx.recv().unwrap() else {
+            panic!("open failed")
+        };
+        assert_eq!(seek(), Got::Offset(1 << 20), "a reader changes nothing");
+        ffs.open(ino, libc::O_RDWR, r());
+        let Got::Handle(writer) = rx.recv().unwrap() else {
+            panic!("open failed")
+        };
+        assert_eq!(seek(), Got::Err(libc::ENOSYS));
+        ffs.release(ino, reader, libc::O_RDONLY, r());
+        rx.recv().unwrap();
+        assert_eq!(seek(), Got::Err(libc::ENOSYS), "the writer is still open");
+        ffs.release(ino, writer, libc::O_RDWR, r());
+        rx.recv().unwrap();
+        assert_eq!(seek(), Got::Offset(1 << 20));
+        ffs.lseek(ino, 0, libc::SEEK_HOLE, r());
+        assert_eq!(rx.recv().unwrap(), Got::Offset(0));
+        ffs.lseek(ino, 0, libc::SEEK_END, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EINVAL));
     }
 }

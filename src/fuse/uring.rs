@@ -35,7 +35,7 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use super::abi::{self, Args, Body, InHeader};
 use super::answer::{
     Answer, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty,
-    AnswerEntry, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr,
+    AnswerEntry, AnswerLseek, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr,
 };
 use super::ops::{err, Caller, FuseFs, SetAttrIn};
 
@@ -695,7 +695,7 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
             fs.write(c, n, op.u64(8), &payload[..size], flags, r)
         }
         abi::STATFS => fs.statfs(r),
-        abi::RELEASE => fs.release(n, op.u64(0), r),
+        abi::RELEASE => fs.release(n, op.u64(0), op.u32(8) as i32, r),
         abi::FSYNC | abi::FSYNCDIR => fs.fsync(c.pid, n, op.u32(8) & abi::FSYNC_FDATASYNC != 0, r),
         abi::SETXATTR => with_name(payload, r, |name, value, r| {
             let size = (op.u32(0) as usize).min(value.len());
@@ -717,13 +717,17 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         abi::RELEASEDIR => fs.releasedir(n, op.u64(0), r),
         abi::ACCESS => fs.access(c, n, op.u32(0) as i32, r),
         abi::CREATE => with_name(payload, r, |name, _, r| {
-            fs.create(c, n, name, op.u32(4), op.u32(8), r)
+            fs.create(c, n, name, op.u32(4), op.u32(8), op.u32(0) as i32, r)
         }),
         abi::DESTROY => {
             fs.destroy();
             AnswerEmpty::ok(r)
         }
         abi::FALLOCATE => fs.fallocate(c, n, op.u64(8), op.u64(16), op.u32(24) as i32, r),
+        abi::LSEEK => match i64::try_from(op.u64(8)) {
+            Ok(off) => fs.lseek(n, off as u64, op.u32(16) as i32, r),
+            Err(_) => r.error(err(libc::ENXIO)),
+        },
         abi::COPY_FILE_RANGE => {
             let (off_in, out, off_out) = (op.u64(8), op.u64(16), op.u64(32));
             fs.copy_file_range(c, n, off_in, out, off_out, op.u64(40), op.u64(48), r)
@@ -863,6 +867,12 @@ impl AnswerWrite for RingReply {
             b.u32(size)?;
             b.u32(0)
         })
+    }
+}
+
+impl AnswerLseek for RingReply {
+    fn offset(self, offset: u64) {
+        self.send(|b| b.u64(offset))
     }
 }
 
