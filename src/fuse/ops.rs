@@ -53,6 +53,49 @@ pub(crate) struct Caller {
     pub pid: u32,
 }
 
+/// Longest a SEEK_DATA or SEEK_HOLE waits for the releases of a file's writers: a
+/// close sends its RELEASE in the background, after close() has returned, so a seek
+/// right after a writer closed the file can arrive first.
+const WRITERS_WAIT: Duration = Duration::from_millis(50);
+
+/// Handles open for writing, per inode; a release wakes who waits for none.
+#[derive(Default)]
+struct Writers {
+    open: parking_lot::Mutex<std::collections::HashMap<u64, u32>>,
+    released: parking_lot::Condvar,
+}
+
+impl Writers {
+    /// Counts a handle of `ino` open for writing.
+    fn opened(&self, ino: u64) {
+        *self.open.lock().entry(ino).or_default() += 1;
+    }
+
+    /// Uncounts one.
+    fn released(&self, ino: u64) {
+        let mut w = self.open.lock();
+        if let Some(n) = w.get_mut(&ino) {
+            *n -= 1;
+            if *n == 0 {
+                w.remove(&ino);
+                self.released.notify_all();
+            }
+        }
+    }
+
+    /// Whether `ino` has no handle open for writing, waiting up to `max` for that.
+    fn none_within(&self, ino: u64, max: Duration) -> bool {
+        let deadline = std::time::Instant::now() + max;
+        let mut w = self.open.lock();
+        while w.contains_key(&ino) {
+            if self.released.wait_until(&mut w, deadline).timed_out() {
+                return !w.contains_key(&ino);
+            }
+        }
+        true
+    }
+}
+
 /// The open directory handles of a mount and the index bound of each readdir.
 #[derive(Default)]
 struct DirHandles {
@@ -99,7 +142,7 @@ pub struct FuseFs {
     /// Open directory handles.
     dirs: Arc<DirHandles>,
     /// Handles open for writing, per inode (see [`FuseFs::lseek`]).
-    writers: Arc<parking_lot::Mutex<std::collections::HashMap<u64, u32>>>,
+    writers: Arc<Writers>,
     /// Tells the kernel of changes the daemon makes on its own (set once mounted).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
@@ -782,7 +825,7 @@ impl FuseFs {
     /// Counts a handle of `ino` opened with `flags` if it writes, until its release.
     fn writer_opened(&self, ino: u64, flags: i32) {
         if flags & libc::O_ACCMODE != libc::O_RDONLY {
-            *self.writers.lock().entry(ino).or_default() += 1;
+            self.writers.opened(ino);
         }
     }
 
@@ -793,7 +836,8 @@ impl FuseFs {
     /// skip it. Then the answer is ENOSYS, after which the kernel answers these
     /// itself for the rest of the mount (all data up to the size, as before birchfs
     /// answered them). Once the last writer is released, the kernel has written its
-    /// pages back (it does so on every close and release).
+    /// pages back (it does so on every close and release); a seek waits a little
+    /// for releases on their way ([`WRITERS_WAIT`]).
     pub(crate) fn lseek(&self, nodeid: u64, offset: u64, whence: i32, reply: impl AnswerLseek) {
         let ino = to_ino(nodeid);
         let data = match whence {
@@ -801,7 +845,7 @@ impl FuseFs {
             libc::SEEK_HOLE => false,
             _ => return reply.error(err(libc::EINVAL)),
         };
-        if self.writers.lock().get(&ino).is_some_and(|&n| n > 0) {
+        if !self.writers.none_within(ino, WRITERS_WAIT) {
             tracing::info!(
                 "SEEK_DATA/SEEK_HOLE on inode {ino}, open for writing: the kernel answers \
                  them itself from now on"
@@ -817,14 +861,7 @@ impl FuseFs {
     /// Closes handle `fh`, opened with `flags` (the kernel's own, as at open).
     pub(crate) fn release(&self, nodeid: u64, fh: u64, flags: i32, reply: impl AnswerEmpty) {
         if flags & libc::O_ACCMODE != libc::O_RDONLY {
-            let mut w = self.writers.lock();
-            let ino = to_ino(nodeid);
-            if let Some(n) = w.get_mut(&ino) {
-                *n -= 1;
-                if *n == 0 {
-                    w.remove(&ino);
-                }
-            }
+            self.writers.released(to_ino(nodeid));
         }
         self.direct.release(to_ino(nodeid), fh);
         empty(self.fs.release(to_ino(nodeid)), reply)
@@ -1219,8 +1256,18 @@ mod tests {
         ffs.release(ino, reader, libc::O_RDONLY, r());
         rx.recv().unwrap();
         assert_eq!(seek(), Got::Err(libc::ENOSYS), "the writer is still open");
-        ffs.release(ino, writer, libc::O_RDWR, r());
-        rx.recv().unwrap();
+        // A release on its way while the seek waits (as after a close).
+        let later = ffs.clone();
+        let tx2 = tx.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            later.release(ino, writer, libc::O_RDWR, Reply(tx2));
+        });
+        ffs.lseek(ino, 0, libc::SEEK_DATA, r());
+        t.join().unwrap();
+        let mut got = vec![rx.recv().unwrap(), rx.recv().unwrap()];
+        got.sort_by_key(|g| format!("{g:?}"));
+        assert_eq!(got, [Got::Offset(1 << 20), Got::Ok]);
         assert_eq!(seek(), Got::Offset(1 << 20));
         ffs.lseek(ino, 0, libc::SEEK_HOLE, r());
         assert_eq!(rx.recv().unwrap(), Got::Offset(0));
