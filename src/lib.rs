@@ -32,7 +32,7 @@ pub use cache::{default_cache_size, CacheOptions};
 pub use error::{Error, Result};
 pub use fs::{
     is_snapshot_ino, Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions,
-    Options, RenameFlags, SetAttr, SnapshotInfo, SpaceUsage, StatFs, TimeSet, ROOT_INO,
-    SNAPSHOTS_INO, SNAPSHOTS_NAME,
+    Options, RenameFlags, SetAttr, SnapshotInfo, SpaceUsage, StatFs, TimeSet, INODES_PER_BLOCK,
+    ROOT_INO, SNAPSHOTS_INO, SNAPSHOTS_NAME,
 };
 pub use stats::{Histogram, LatencySummary, Stats, StatsSnapshot};

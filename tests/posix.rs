@@ -3170,6 +3170,19 @@ fn statfs_reports_geometry_and_usage() {
         (GIB..=2 * GIB).contains(&total),
         "a 2 GiB image reports {total} bytes in total"
     );
+    // Inodes: those made so far plus what the available space holds, about.
+    let iused = |s: &libc::statfs| s.f_files - s.f_ffree;
+    assert!(s.f_ffree as u64 <= s.f_bavail as u64 * birchfs::INODES_PER_BLOCK);
+    assert!(
+        s.f_ffree as u64 >= s.f_bavail as u64,
+        "{} free inodes",
+        s.f_ffree
+    );
+    for i in 0..100 {
+        File::create(m.path(format!("empty{i}"))).unwrap();
+    }
+    let si = statfs(m.root()).unwrap();
+    assert_eq!(iused(&si), iused(&s) + 100, "100 new files");
 
     {
         let mut f = File::create(m.path("big")).unwrap();
