@@ -1241,3 +1241,39 @@ fn seek_data_and_hole_follow_the_extents_and_the_cache() {
     ));
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
+
+/// The first chunked xattr value reaches the disk by a commit that sets the image's
+/// feature flag (an older build then refuses the image rather than replay chunks it
+/// does not know); later ones go to the log as usual.
+#[test]
+fn the_first_chunked_xattr_commits_the_feature_flag() {
+    let (dev, fs) = mk(64 * MB);
+    let flag = crate::format::INCOMPAT_XATTR_CHUNKS;
+    let on_disk = |dev: &MemDev| crate::txn::Store::read_super(dev).unwrap().incompat & flag;
+    assert_eq!(on_disk(&dev), 0);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.setxattr(f, b"user.small", &[1; 100], false, false)
+        .unwrap();
+    fs.fsync(f, false).unwrap();
+    assert_eq!(on_disk(&dev), 0, "an inline value needs no flag");
+    let fallbacks = fs.stats().fallbacks;
+    fs.setxattr(f, b"user.big", &pattern(20_000, 1), false, false)
+        .unwrap();
+    fs.fsync(f, false).unwrap();
+    assert_ne!(on_disk(&dev), 0, "the fsync committed the flag");
+    assert_eq!(fs.stats().fallbacks, fallbacks + 1);
+    fs.setxattr(f, b"user.big2", &pattern(20_000, 2), false, false)
+        .unwrap();
+    fs.fsync(f, false).unwrap();
+    assert_eq!(
+        fs.stats().fallbacks,
+        fallbacks + 1,
+        "later ones go to the log"
+    );
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    let fs2 = Fs::open(crashed.clone(), Options::default()).unwrap();
+    assert_eq!(fs2.getxattr(f, b"user.big").unwrap(), pattern(20_000, 1));
+    assert_eq!(fs2.getxattr(f, b"user.big2").unwrap(), pattern(20_000, 2));
+    assert!(problems_after_unmount(&crashed, fs2).is_empty());
+    drop(fs);
+}

@@ -108,7 +108,13 @@ impl Inner {
                 return Err(Error::NoSpace);
             }
             self.write_chunks(ino, base, value, max)?;
-            self.store.sb.incompat |= INCOMPAT_XATTR_CHUNKS;
+            if self.store.sb.incompat & INCOMPAT_XATTR_CHUNKS == 0 {
+                // A build that does not know chunks must never find them in a log it
+                // replays: the first chunked value reaches the disk by a commit, whose
+                // superblock carries the flag that such a build refuses.
+                self.store.sb.incompat |= INCOMPAT_XATTR_CHUNKS;
+                self.store.log.overflow = true;
+            }
             written = Some(base);
         }
         if let Err(e) = self.store.insert(tree::FS, xattr_key(ino, name), enc) {
