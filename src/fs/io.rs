@@ -645,7 +645,7 @@ impl Fs {
             .with(|i| i.extents_in(ino, offset, size))?
             .into_iter()
             .filter(|(_, fe)| fe.kind != crate::format::FILE_EXTENT_PREALLOC)
-            .map(|(off, fe)| (off, off + fe.num_bytes.get()))
+            .map(|(off, fe)| (off, off.saturating_add(fe.num_bytes.get())))
             .collect();
         written.sort_unstable();
         if data {
