@@ -443,24 +443,6 @@ impl BatchHeader {
     }
 }
 
-/// A log area as parsing reads it: the whole image in memory, or the device read a
-/// window at a time.
-pub(crate) trait Area {
-    /// Size of the area in bytes.
-    fn cap(&self) -> usize;
-    /// The `len` bytes at `off`, or `None` where they reach past the end of the area.
-    fn get(&mut self, off: usize, len: usize) -> std::io::Result<Option<&[u8]>>;
-}
-
-impl Area for &[u8] {
-    fn cap(&self) -> usize {
-        self.len()
-    }
-    fn get(&mut self, off: usize, len: usize) -> std::io::Result<Option<&[u8]>> {
-        Ok(off.checked_add(len).and_then(|end| (**self).get(off..end)))
-    }
-}
-
 /// Bytes a [`DevArea`] reads at once (more when one batch is larger).
 const WINDOW: usize = 256 << 10;
 
@@ -472,6 +454,8 @@ pub(crate) struct DevArea<'a> {
     /// Device offset of the area.
     start: u64,
     cap: usize,
+    /// Bytes it reads at once: [`WINDOW`].
+    window: usize,
     /// Area offset of `buf`'s first byte.
     lo: usize,
     buf: crate::dev::AlignedBuf,
@@ -486,17 +470,14 @@ impl<'a> DevArea<'a> {
             dev,
             start,
             cap: cap as usize,
+            window: WINDOW,
             lo: 0,
             buf: crate::dev::AlignedBuf::zeroed(0),
             read: 0,
         }
     }
-}
 
-impl Area for DevArea<'_> {
-    fn cap(&self) -> usize {
-        self.cap
-    }
+    /// The `len` bytes at `off`, or `None` where they reach past the end of the area.
     fn get(&mut self, off: usize, len: usize) -> std::io::Result<Option<&[u8]>> {
         let Some(end) = off.checked_add(len).filter(|&e| e <= self.cap) else {
             return Ok(None);
@@ -506,7 +487,7 @@ impl Area for DevArea<'_> {
             // other read of it.
             let bs = BLOCK_SIZE as usize;
             let lo = off / bs * bs;
-            let n = (end - lo).max(WINDOW).div_ceil(bs) * bs;
+            let n = (end - lo).max(self.window).div_ceil(bs) * bs;
             let n = n.min(self.cap - lo);
             let mut buf = crate::dev::AlignedBuf::zeroed(n);
             self.dev.read_at(&mut buf, self.start + lo as u64)?;
@@ -519,7 +500,7 @@ impl Area for DevArea<'_> {
 
 /// The header of batch `seq` of `generation` at `off` of `area`, if one is there.
 fn header_at(
-    area: &mut dyn Area,
+    area: &mut DevArea<'_>,
     off: usize,
     fsid: &[u8; 16],
     generation: u64,
@@ -536,12 +517,12 @@ fn header_at(
 /// following them around the end of the area, and stopping at the first that is not
 /// whole. Errors are the device's.
 pub(crate) fn parse(
-    area: &mut dyn Area,
+    area: &mut DevArea<'_>,
     fsid: &[u8; 16],
     generation: u64,
     start: u64,
 ) -> std::io::Result<Parsed> {
-    let cap = area.cap();
+    let cap = area.cap;
     let mut out = Parsed {
         end: start,
         ..Default::default()
@@ -629,9 +610,12 @@ pub(crate) fn data_landed(ops: &[LogOp], read: &mut dyn FnMut(u64, &mut [u8]) ->
 mod tests {
     use super::*;
 
-    /// Parses an area image held in memory.
+    /// Parses an area image held in memory, read whole at once.
     fn parse_image(area: &[u8], fsid: &[u8; 16], generation: u64, start: u64) -> Parsed {
-        parse(&mut &area[..], fsid, generation, start).unwrap()
+        let dev = crate::dev::MemDev::from_image(area.to_vec());
+        let mut d = DevArea::new(&dev, 0, area.len() as u64);
+        d.window = area.len();
+        parse(&mut d, fsid, generation, start).unwrap()
     }
 
     fn sample(l: &mut LogBuffer) {
