@@ -640,7 +640,7 @@ impl Fs {
             return Err(Error::PastEnd);
         }
         self.writeback(ino, u64::MAX)?;
-        let size = self.getattr(ino)?.size;
+        let size = a.size;
         let mut written: Vec<(u64, u64)> = self
             .with(|i| i.extents_in(ino, offset, size))?
             .into_iter()

@@ -836,13 +836,14 @@ impl Fs {
         let g = self.inner.lock();
         let a = &g.store.alloc;
         let free = (a.free_bytes() + a.pinned_bytes()).saturating_sub(self.cache.dirty_bytes());
+        let bavail = free.saturating_sub(a.reserve()) / 4096;
         let numbers = objectid::LAST_INODE.min(snapshot::LIVE_INO_LIMIT) - g.next_ino;
-        let ffree = numbers.min(free.saturating_sub(a.reserve()) / 4096 * INODES_PER_BLOCK);
+        let ffree = numbers.min(bavail * INODES_PER_BLOCK);
         StatFs {
             bsize: 4096,
             blocks: g.store.data_bytes() / 4096,
             bfree: free / 4096,
-            bavail: free.saturating_sub(a.reserve()) / 4096,
+            bavail,
             files: g.next_ino - objectid::ROOT_DIR + ffree,
             ffree,
             namelen: crate::format::NAME_MAX as u32,
