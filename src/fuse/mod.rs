@@ -4,6 +4,8 @@
 mod abi;
 mod answer;
 mod classic;
+#[cfg(test)]
+mod crash_tests;
 mod direct;
 mod group;
 mod ops;
