@@ -17,6 +17,9 @@ use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 
+/// Most free space an operation needs to start (see [`Allocator::has_op_margin`]).
+const OP_MARGIN: u64 = 1 << 20;
+
 /// Free extents of one device.
 #[derive(Debug, Clone)]
 pub(crate) struct Allocator {
@@ -81,6 +84,18 @@ impl Allocator {
     /// the reserve, the rest kept for commits, unlinks and rmdirs.
     pub(crate) fn has_metadata_room(&self, need: u64) -> bool {
         self.free_bytes >= (self.reserve / 2).saturating_add(need)
+    }
+
+    /// Whether free space has fallen into the metadata reserve.
+    pub(crate) fn in_reserve(&self) -> bool {
+        self.free_bytes < self.reserve
+    }
+
+    /// Whether an operation may start: it leaves at least a quarter of the reserve
+    /// (and at most 1 MiB, the node copies of any one small operation many times over)
+    /// for the commit after it.
+    pub(crate) fn has_op_margin(&self) -> bool {
+        self.free_bytes >= (self.reserve / 4).min(OP_MARGIN)
     }
 
     fn add_free(&mut self, mut start: u64, mut len: u64) {

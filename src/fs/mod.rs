@@ -347,14 +347,45 @@ impl Fs {
     /// Like `with`, for operations that need space: on ENOSPC while a commit could
     /// free space (frees are only released by a commit), commits and tries once more.
     /// Such operations check for room before they change anything.
+    ///
+    /// Every change that goes through here first makes room ([`Fs::make_room`]) and
+    /// starts only with the margin of `Allocator::has_op_margin` free, so that its node copies never run out halfway (which would leave it half
+    /// done): deletions go through here too.
     fn with_space<T>(&self, f: impl Fn(&mut Inner) -> Result<T>) -> Result<T> {
-        match self.with(&f) {
+        self.make_room()?;
+        let guarded = |i: &mut Inner| {
+            if !i.store.alloc.has_op_margin() {
+                return Err(Error::NoSpace);
+            }
+            f(i)
+        };
+        match self.with(guarded) {
             Err(Error::NoSpace) if self.space_may_come_back() => {
                 self.commit_tree()?;
-                self.with(f)
+                self.with(guarded)
             }
             r => r,
         }
+    }
+
+    /// On a disk whose free space has fallen into the metadata reserve, commits the
+    /// running transaction before the next change. Copy-on-write pins the old copy of
+    /// every node it changes until a commit, so without this a run of deletions on a
+    /// full disk used up the reserve with copies and then failed, and so did the
+    /// commit that would have freed them. Committing here keeps transactions short
+    /// while space is (btrfs commits to reclaim pinned space the same way).
+    pub(super) fn make_room(&self) -> Result<()> {
+        let low = {
+            let g = self.inner.lock();
+            g.store.alloc.in_reserve()
+                && g.store.has_changes()
+                && !g.store.readonly
+                && !g.store.failed
+        };
+        if low {
+            self.commit_tree()?;
+        }
+        Ok(())
     }
 
     /// Whether a commit could free space: changes not yet committed, or frees waiting
@@ -368,7 +399,13 @@ impl Fs {
         let (r, big) = {
             let mut g = self.inner.lock();
             let r = f(&mut g);
-            if g.store.queued_refs() > REFS_RUN_AT && !g.store.readonly && !g.store.failed {
+            // Short of space, the commit that [`Fs::make_room`] runs next takes them
+            // (it may use the whole reserve; running them here may not).
+            if g.store.queued_refs() > REFS_RUN_AT
+                && !g.store.readonly
+                && !g.store.failed
+                && !g.store.alloc.in_reserve()
+            {
                 // An error here has already logged itself and stopped all changes.
                 let _ = g.store.run_some_delayed_refs(REFS_RUN_CHUNK);
             }
@@ -644,6 +681,7 @@ impl Fs {
 
     /// Releases an open handle of `ino`.
     pub fn release(&self, ino: u64) -> Result<()> {
+        self.make_room()?;
         self.with(|i| i.unpin(ino, 1))
     }
 
@@ -730,7 +768,7 @@ impl Fs {
     /// Removes a non-directory name.
     pub fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
         Self::live_dir(parent)?;
-        self.with(|i| i.unlink(parent, name, false))
+        self.with_space(|i| i.unlink(parent, name, false))
     }
 
     /// Removes an empty directory.
@@ -739,7 +777,7 @@ impl Fs {
             return self.snapshot_delete(name);
         }
         Self::live(parent)?;
-        self.with(|i| i.unlink(parent, name, true))
+        self.with_space(|i| i.unlink(parent, name, true))
     }
 
     /// Renames, with RENAME_NOREPLACE and RENAME_EXCHANGE semantics.
@@ -876,7 +914,7 @@ impl Fs {
     /// Removes an extended attribute.
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
         Self::live(ino)?;
-        self.with(|i| i.removexattr(ino, name))
+        self.with_space(|i| i.removexattr(ino, name))
     }
 
     /// Checks `mask` (R_OK|W_OK|X_OK, or F_OK) for a caller with `uid`/`gid`/`groups`.

@@ -1277,3 +1277,72 @@ fn the_first_chunked_xattr_commits_the_feature_flag() {
     assert!(problems_after_unmount(&crashed, fs2).is_empty());
     drop(fs);
 }
+
+/// A disk filled with many small files in many directories (so the trees are large
+/// beside the metadata reserve) still lets every file be deleted, with no commit asked
+/// for in between, and the commits that follow succeed.
+#[test]
+fn a_disk_full_of_small_files_can_be_emptied() {
+    for size in [0usize, 1500, 6000] {
+        let (dev, fs) = mk(48 * MB);
+        const DIRS: u32 = 32;
+        let dirs: Vec<u64> = (0..DIRS)
+            .map(|d| {
+                fs.mkdir(ROOT_INO, format!("d{d}").as_bytes(), 0o755, cr())
+                    .unwrap()
+                    .ino
+            })
+            .collect();
+        let data = vec![5u8; size];
+        let mut n = 0u32;
+        'fill: loop {
+            let name = format!("f{n:06}");
+            let dir = dirs[(n % DIRS) as usize];
+            let f = match fs.mknod(dir, name.as_bytes(), 0o644, 0, cr()) {
+                Ok(f) => f,
+                Err(Error::NoSpace) => break 'fill,
+                Err(e) => panic!("mknod {name}: {e}"),
+            };
+            n += 1;
+            if size > 0 {
+                match fs.write(f.ino, 0, &data) {
+                    Ok(_) => {}
+                    Err(Error::NoSpace) => break 'fill,
+                    Err(e) => panic!("write {name}: {e}"),
+                }
+            }
+            assert!(n < 1_000_000);
+        }
+        match fs.commit() {
+            Ok(()) | Err(Error::NoSpace) => {}
+            Err(e) => panic!("commit of the full disk: {e}"),
+        }
+        assert!(n > 2000, "only {n} files fit");
+        let c0 = fs.stats().commits;
+        for i in 0..n {
+            let name = format!("f{i:06}");
+            let dir = dirs[(i % DIRS) as usize];
+            if let Err(e) = fs.unlink(dir, name.as_bytes()) {
+                panic!(
+                    "{size}-byte files: unlink {name} of {n}: {e}; statfs {:?}",
+                    fs.statfs()
+                );
+            }
+        }
+        let commits = fs.stats().commits - c0;
+        eprintln!("{size}-byte files: {n} deleted with {commits} commits");
+        // Short of space, a commit comes when the reserve is reached, not after every
+        // deletion.
+        assert!(
+            commits < u64::from(n) / 10,
+            "{commits} commits for {n} deletions"
+        );
+        for d in 0..DIRS {
+            fs.rmdir(ROOT_INO, format!("d{d}").as_bytes()).unwrap();
+        }
+        fs.commit().unwrap();
+        let st = fs.statfs();
+        assert!(st.bavail * 4096 > 30 * MB, "space came back: {st:?}");
+        assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+    }
+}
