@@ -91,11 +91,15 @@ impl Allocator {
         self.free_bytes < self.reserve
     }
 
-    /// Whether an operation may start: it leaves at least a quarter of the reserve
-    /// (and at most 1 MiB, the node copies of any one small operation many times over)
-    /// for the commit after it.
+    /// Free space an operation needs to start: a quarter of the reserve, at most
+    /// 1 MiB (the node copies of any one small operation many times over).
+    pub(crate) fn op_margin(&self) -> u64 {
+        (self.reserve / 4).min(OP_MARGIN)
+    }
+
+    /// Whether an operation may start ([`Allocator::op_margin`] is free).
     pub(crate) fn has_op_margin(&self) -> bool {
-        self.free_bytes >= (self.reserve / 4).min(OP_MARGIN)
+        self.free_bytes >= self.op_margin()
     }
 
     fn add_free(&mut self, mut start: u64, mut len: u64) {

@@ -372,16 +372,11 @@ impl Fs {
     /// running transaction before the next change. Copy-on-write pins the old copy of
     /// every node it changes until a commit, so without this a run of deletions on a
     /// full disk used up the reserve with copies and then failed, and so did the
-    /// commit that would have freed them. Committing here keeps transactions short
+    /// commit that would have freed them. Committing here (when what the transaction
+    /// holds nears what is left: `Store::short_of_room`) keeps transactions short
     /// while space is (btrfs commits to reclaim pinned space the same way).
     pub(super) fn make_room(&self) -> Result<()> {
-        let low = {
-            let g = self.inner.lock();
-            g.store.alloc.in_reserve()
-                && g.store.has_changes()
-                && !g.store.readonly
-                && !g.store.failed
-        };
+        let low = self.inner.lock().store.short_of_room();
         if low {
             self.commit_tree()?;
         }
