@@ -110,8 +110,8 @@ impl Filesystem for FuseFs {
         FuseFs::forget(self, ino.0, nlookup)
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        FuseFs::getattr(self, ino.0, reply)
+    fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        FuseFs::getattr(self, ino.0, fh.map(|h| h.0), reply)
     }
 
     fn setattr(

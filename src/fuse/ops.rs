@@ -63,6 +63,9 @@ const WRITERS_WAIT: Duration = Duration::from_millis(50);
 struct Writers {
     open: parking_lot::Mutex<std::collections::HashMap<u64, u32>>,
     released: parking_lot::Condvar,
+    /// Inodes whose writeback failed for want of space, until a writer hears of it
+    /// (see [`FuseFs::getattr`]) or the last writer closes.
+    no_space: parking_lot::Mutex<std::collections::HashSet<u64>>,
 }
 
 impl Writers {
@@ -78,6 +81,7 @@ impl Writers {
             *n -= 1;
             if *n == 0 {
                 w.remove(&ino);
+                self.no_space.lock().remove(&ino);
                 self.released.notify_all();
             }
         }
@@ -590,8 +594,22 @@ impl FuseFs {
         self.fs.forget(to_ino(nodeid), nlookup);
     }
 
-    pub(crate) fn getattr(&self, nodeid: u64, reply: impl AnswerAttr) {
-        attr(self.fs.getattr(to_ino(nodeid)), reply)
+    /// Attributes; `fh` is set when the kernel asks on behalf of an open file.
+    ///
+    /// With the writeback cache, a write() only lands in the kernel's page cache, and
+    /// a failed writeback reaches the writer only at fsync or close: a writer that
+    /// does neither (`dd if=/dev/zero of=fill`) would write forever on a full disk.
+    /// But before each write() the kernel refreshes the file's attributes when they
+    /// were invalidated, asking with the file's handle; so a writeback that finds no
+    /// space invalidates them ([`FuseFs::write`]), and the next such request answers
+    /// ENOSPC, which write() returns (as NFS returns a failed writeback's error from
+    /// the next write()). A stat() asks without a handle and is answered as always.
+    pub(crate) fn getattr(&self, nodeid: u64, fh: Option<u64>, reply: impl AnswerAttr) {
+        let ino = to_ino(nodeid);
+        if fh.is_some() && self.writers.no_space.lock().remove(&ino) {
+            return reply.error(err(libc::ENOSPC));
+        }
+        attr(self.fs.getattr(ino), reply)
     }
 
     pub(crate) fn setattr(&self, c: &Caller, nodeid: u64, s: SetAttrIn, reply: impl AnswerAttr) {
@@ -804,14 +822,36 @@ impl FuseFs {
             self.drop_privs(c, ino, true);
         }
         // Page-cache writeback: the kernel owns the times of what it cached.
-        let r = if flags.contains(WriteFlags::FUSE_WRITE_CACHE) {
+        let cached = flags.contains(WriteFlags::FUSE_WRITE_CACHE);
+        let r = if cached {
             self.fs.write_cached(ino, offset, data)
         } else {
             self.fs.write(ino, offset, data)
         };
         match r {
             Ok(n) => reply.written(n as u32),
-            Err(e) => reply.error(errno(&e)),
+            Err(e) => {
+                if cached && matches!(e, Error::NoSpace) {
+                    self.no_space_for_writeback(ino);
+                }
+                reply.error(errno(&e))
+            }
+        }
+    }
+
+    /// Notes that a writeback of `ino` found no space, so that its writers' next
+    /// write() fails (see [`FuseFs::getattr`]).
+    fn no_space_for_writeback(&self, ino: u64) {
+        if !self.writers.open.lock().contains_key(&ino) {
+            return;
+        }
+        if !self.writers.no_space.lock().insert(ino) {
+            return;
+        }
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(to_fuse(ino), -1, 0) {
+                tracing::debug!("invalidating the attributes of inode {ino} failed: {e}");
+            }
         }
     }
 

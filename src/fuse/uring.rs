@@ -635,7 +635,11 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
     let n = h.nodeid;
     match h.opcode {
         abi::LOOKUP => with_name(payload, r, |name, _, r| fs.lookup(n, name, r)),
-        abi::GETATTR => fs.getattr(n, r),
+        // fuse_getattr_in: getattr_flags, dummy, fh.
+        abi::GETATTR => {
+            let fh = (op.u32(0) & abi::GETATTR_FH != 0).then(|| op.u64(8));
+            fs.getattr(n, fh, r)
+        }
         abi::SETATTR => {
             let valid = op.u32(0);
             let has = |bit: u32| valid & bit != 0;
