@@ -1252,6 +1252,76 @@ mod tests {
             let _ = self.0.send(Got::Ok);
         }
     }
+    impl AnswerAttr for Reply {
+        fn attr(self, _: &Duration, _: &FileAttr) {
+            let _ = self.0.send(Got::Ok);
+        }
+    }
+    impl AnswerWrite for Reply {
+        fn written(self, n: u32) {
+            let _ = self.0.send(Got::Offset(u64::from(n)));
+        }
+    }
+
+    /// A writeback that finds no space is owed to the writer: the next GETATTR with a
+    /// handle (the one before a write()) answers ENOSPC once; a stat (no handle) is
+    /// answered; the debt goes with the last writer's release.
+    #[test]
+    fn a_writeback_without_space_fails_the_writers_next_write() {
+        let dev = Arc::new(MemDev::new(40 << 20));
+        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+        let fs = Arc::new(Fs::open(dev, Options::default()).unwrap());
+        let ffs = FuseFs::new(fs.clone());
+        let (tx, rx) = channel();
+        let r = || Reply(tx.clone());
+        let c = Caller {
+            uid: 0,
+            gid: 0,
+            pid: 1,
+        };
+        ffs.create(&c, ROOT_INO, b"f", 0o100644, 0, libc::O_WRONLY, r());
+        let Got::Handle(fh) = rx.recv().unwrap() else {
+            panic!("create failed")
+        };
+        let ino = fs.lookup(ROOT_INO, b"f").unwrap().ino;
+        let block = vec![1u8; 1 << 20];
+        let mut off = 0;
+        let got = loop {
+            ffs.write(&c, ino, off, &block, WriteFlags::FUSE_WRITE_CACHE, r());
+            match rx.recv().unwrap() {
+                Got::Offset(n) => off += n,
+                other => break other,
+            }
+            assert!(off < 1 << 30, "the disk never filled");
+        };
+        assert_eq!(got, Got::Err(libc::ENOSPC));
+        ffs.getattr(ino, None, r());
+        assert_eq!(rx.recv().unwrap(), Got::Ok, "a stat is answered");
+        ffs.getattr(ino, Some(fh), r());
+        assert_eq!(
+            rx.recv().unwrap(),
+            Got::Err(libc::ENOSPC),
+            "the writer hears"
+        );
+        ffs.getattr(ino, Some(fh), r());
+        assert_eq!(rx.recv().unwrap(), Got::Ok, "once");
+        // Owed again, then the writer closes: a later opener owes nothing.
+        ffs.write(&c, ino, off, &block, WriteFlags::FUSE_WRITE_CACHE, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::ENOSPC));
+        ffs.release(ino, fh, libc::O_WRONLY, r());
+        assert_eq!(rx.recv().unwrap(), Got::Ok);
+        ffs.open(ino, libc::O_RDWR, r());
+        let Got::Handle(fh) = rx.recv().unwrap() else {
+            panic!("open failed")
+        };
+        ffs.getattr(ino, Some(fh), r());
+        assert_eq!(rx.recv().unwrap(), Got::Ok);
+        // A write that is not a writeback (the writer hears at once) owes nothing.
+        ffs.write(&c, ino, off, &block, WriteFlags::empty(), r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::ENOSPC));
+        ffs.getattr(ino, Some(fh), r());
+        assert_eq!(rx.recv().unwrap(), Got::Ok);
+    }
 
     /// SEEK_DATA answers from birchfs's extents only while no handle of the file is
     /// open for writing (the kernel may cache a writer's data): then ENOSYS, and
