@@ -6,7 +6,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -681,12 +681,16 @@ fn mount_serve(
     const SECOND: Duration = Duration::from_secs(1);
     const READAHEAD_THREADS: usize = 3;
     if !mo.fs.commit_interval.is_zero() && !mo.fs.readonly {
-        let every = mo.fs.commit_interval;
-        spawn_while_mounted("committer", &fs, every, move |fs| {
-            if let Err(e) = fs.commit() {
-                tracing::error!("periodic commit failed: {e}");
+        let mut clock = CommitClock::new(mo.fs.commit_interval, Instant::now());
+        spawn_while_mounted("committer", &fs, COMMIT_TICK, move |fs| {
+            let written = fs.bytes_written();
+            if clock.due(written, Instant::now()) {
+                if let Err(e) = fs.commit() {
+                    tracing::error!("periodic commit failed: {e}");
+                }
+                clock.committed(written, Instant::now());
             }
-            every
+            COMMIT_TICK
         })?;
     }
     if !mo.fs.readonly {
@@ -762,6 +766,56 @@ fn want_uring(mode: UringMode) -> Result<bool> {
 }
 
 /// Runs `step` on a thread named `name` for as long as `fs` is alive: after a pause
+/// How often the periodic committer looks at the clock.
+const COMMIT_TICK: Duration = Duration::from_millis(250);
+
+/// Writes quiet this long after some came make the periodic committer commit.
+const COMMIT_QUIET: Duration = Duration::from_secs(1);
+
+/// When the periodic committer commits: every `commit=` seconds, and once writes have
+/// been quiet for [`COMMIT_QUIET`] after some came. `sync(1)` does not reach a FUSE
+/// daemon (the kernel sends FUSE_SYNCFS to virtiofs only): it makes the kernel write
+/// its dirty pages back to birchfs, and returns. So what it wrote back is committed
+/// a second later, not up to `commit=` seconds later.
+struct CommitClock {
+    every: Duration,
+    last_commit: Instant,
+    /// Bytes written as of the last commit.
+    written_at_commit: u64,
+    /// Bytes written when last looked at, and since when that count stands.
+    seen: u64,
+    seen_since: Instant,
+}
+
+impl CommitClock {
+    fn new(every: Duration, now: Instant) -> CommitClock {
+        CommitClock {
+            every,
+            last_commit: now,
+            written_at_commit: 0,
+            seen: 0,
+            seen_since: now,
+        }
+    }
+
+    /// Whether to commit at `now`, with `written` bytes written so far.
+    fn due(&mut self, written: u64, now: Instant) -> bool {
+        if written != self.seen {
+            self.seen = written;
+            self.seen_since = now;
+        }
+        let quiet = written != self.written_at_commit
+            && now.saturating_duration_since(self.seen_since) >= COMMIT_QUIET;
+        quiet || now.saturating_duration_since(self.last_commit) >= self.every
+    }
+
+    /// Notes a commit at `now` that covered `written` bytes.
+    fn committed(&mut self, written: u64, now: Instant) {
+        self.last_commit = now;
+        self.written_at_commit = written;
+    }
+}
+
 /// (`first`, then what the step returns), each step gets the filesystem, and lets go
 /// of it before pausing, so the thread never keeps an unmounted filesystem alive.
 fn spawn_while_mounted(
@@ -968,5 +1022,39 @@ fn main() -> ExitCode {
             eprintln!("birchfs: {e:#}");
             ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    /// Writes that stop are committed a second later; writes that go on wait for the
+    /// interval; no writes, no early commit.
+    #[test]
+    fn the_committer_commits_a_second_after_writes_stop_and_at_the_interval() {
+        let t0 = Instant::now();
+        let mut c = CommitClock::new(30 * S, t0);
+        assert!(!c.due(0, t0 + S * 5), "nothing written");
+        // Writes keep coming every 250 ms: only the interval commits.
+        let mut w = 0;
+        let mut t = t0 + S * 5;
+        while t < t0 + S * 29 {
+            w += 4096;
+            assert!(!c.due(w, t), "writes still coming at {:?}", t - t0);
+            t += COMMIT_TICK;
+        }
+        assert!(c.due(w, t0 + S * 30), "the interval");
+        c.committed(w, t0 + S * 30);
+        assert!(!c.due(w, t0 + S * 31), "nothing new since");
+        // A burst (as sync(1) makes the kernel send), then quiet.
+        w += 1 << 20;
+        assert!(!c.due(w, t0 + S * 40));
+        assert!(!c.due(w, t0 + S * 40 + COMMIT_TICK * 3));
+        assert!(c.due(w, t0 + S * 41), "quiet for a second");
+        c.committed(w, t0 + S * 41);
+        assert!(!c.due(w, t0 + S * 45));
     }
 }

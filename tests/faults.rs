@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -383,6 +384,27 @@ fn a_writer_that_never_syncs_gets_enospc_from_write_on_a_full_disk() {
     File::open(m.path("after")).unwrap().sync_all().unwrap();
     m.remount();
     assert_eq!(fs::read(m.path("after")).unwrap(), vec![4u8; 8 << 20]);
+    m.unmount();
+}
+
+/// `sync(1)` does not reach a FUSE daemon; it makes the kernel write its dirty pages
+/// back to birchfs and returns. What it wrote back is committed once writes have
+/// been quiet for a second, so it survives a kill -9 two seconds later (with the
+/// default `commit=30`, it was lost).
+#[test]
+fn what_sync_wrote_back_is_committed_a_second_later() {
+    let mut m = Mount::new();
+    let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8).collect();
+    fs::write(m.path("synced"), &data).unwrap();
+    fs::create_dir(m.path("d")).unwrap();
+    fs::write(m.path("d/small"), b"small").unwrap();
+    let out = run(&mut Command::new("sync"), Duration::from_secs(30));
+    assert!(out.status.success(), "sync: {}", describe(&out));
+    std::thread::sleep(Duration::from_millis(2500));
+    m.kill_daemon();
+    m.mount();
+    assert_eq!(fs::read(m.path("synced")).unwrap(), data);
+    assert_eq!(fs::read(m.path("d/small")).unwrap(), b"small");
     m.unmount();
 }
 

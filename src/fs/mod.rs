@@ -336,6 +336,13 @@ impl Fs {
         &self.opts
     }
 
+    /// Bytes users have written so far (the `bytes.user` counter), cheaply.
+    pub fn bytes_written(&self) -> u64 {
+        self.stats
+            .user_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Counters of fsyncs, commits and device traffic.
     pub fn stats(&self) -> StatsSnapshot {
         let mut s = self.stats.snapshot();
