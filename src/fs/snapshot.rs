@@ -253,7 +253,6 @@ impl Fs {
         let mut more = self.has_deleted_snapshots();
         let mut steps = 0;
         while more && steps < max_steps {
-            self.make_room()?;
             more = self.with(|i| i.store.drop_step(budget))?;
             steps += 1;
             if steps % DROP_STEPS_PER_COMMIT == 0 {
