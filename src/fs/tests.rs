@@ -1346,3 +1346,26 @@ fn a_disk_full_of_small_files_can_be_emptied() {
         assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
     }
 }
+
+/// Once cached writes fill the disk, statfs shows (about) no space available: what
+/// is dirty in the cache counts with the tree margin a write reserves for it.
+#[test]
+fn statfs_shows_no_room_when_cached_writes_refuse() {
+    let (_dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    let chunk = vec![9u8; 64 << 10];
+    let mut off = 0;
+    while fs.write(f.ino, off, &chunk).is_ok() {
+        off += chunk.len() as u64;
+        assert!(off < 1 << 30);
+    }
+    let st = fs.statfs();
+    let dirty = fs.stats().cache_dirty_bytes;
+    eprintln!("{off} bytes written, {dirty} dirty; {st:?}");
+    assert!(off > 40 * MB, "only {off} bytes fit");
+    assert!(
+        st.bavail * 4096 < 128 << 10,
+        "{} bytes shown available where a 64 KiB write is refused",
+        st.bavail * 4096
+    );
+}
