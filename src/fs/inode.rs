@@ -297,9 +297,22 @@ impl Inner {
         new
     }
 
-    /// Refuses operations that add data or names when only the reserve is left.
+    /// Room that cached writes hold: their dirty data, and the margin for the tree
+    /// nodes its writeback copies (as `write_begin` counts them when it admits them).
+    pub(crate) fn promised_room(&self) -> u64 {
+        let d = self.cache.dirty_bytes();
+        if d == 0 {
+            0
+        } else {
+            d + d / 32 + 2 * BLOCK_SIZE
+        }
+    }
+
+    /// Refuses operations that add data or names when only the reserve and the room
+    /// cached writes hold are left (a name taking that room would make their
+    /// writeback fail after `write()` said yes).
     pub(crate) fn need_room(&self) -> Result<()> {
-        if self.store.alloc.has_room(0) {
+        if self.store.alloc.has_room(self.promised_room()) {
             Ok(())
         } else {
             Err(Error::NoSpace)

@@ -1369,3 +1369,30 @@ fn statfs_shows_no_room_when_cached_writes_refuse() {
         st.bavail * 4096
     );
 }
+
+/// Room a cached write reserved stays its own: names created after the disk filled
+/// with cached data are refused, and writeback of that data then succeeds.
+#[test]
+fn cached_writes_keep_their_room_from_later_creates() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    let chunk = vec![9u8; 64 << 10];
+    let mut off = 0;
+    while fs.write(f.ino, off, &chunk).is_ok() {
+        off += chunk.len() as u64;
+        assert!(off < 1 << 30);
+    }
+    let mut made = 0;
+    for n in 0..20_000 {
+        match fs.mknod(ROOT_INO, format!("n{n:05}").as_bytes(), 0o644, 0, cr()) {
+            Ok(_) => made += 1,
+            Err(Error::NoSpace) => break,
+            Err(e) => panic!("mknod: {e}"),
+        }
+    }
+    eprintln!("{off} bytes cached, then {made} names");
+    fs.fsync(f.ino, false)
+        .unwrap_or_else(|e| panic!("writeback after {made} names: {e}"));
+    assert_eq!(read_all(&fs, f.ino).len() as u64, off);
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}
