@@ -520,11 +520,11 @@ impl Store {
         ((ns - crate::format::NODE_HEADER_SIZE) / 2 - ITEM_OVERHEAD).min(MAX_ITEM_SIZE)
     }
 
-    /// Whether the running transaction should be committed before the next change
-    /// to give back the space it pins: free space is inside the reserve and no longer
-    /// covers, twice over, what its commit may copy (a node for each dirty node and
-    /// for each queued refcount change, at worst) plus the margin the next operation
-    /// needs.
+    /// Whether the running transaction should be committed now, to give back the
+    /// space it pins before the next change: free space is inside the reserve and
+    /// no longer covers, twice over, what its commit may copy (a node for each dirty
+    /// node and for each queued refcount change, at worst) plus the margin the next
+    /// operation needs.
     pub(crate) fn short_of_room(&self) -> bool {
         if !self.alloc.in_reserve() || !self.has_changes() || self.readonly || self.failed {
             return false;

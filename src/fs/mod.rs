@@ -872,12 +872,11 @@ impl Fs {
     pub fn statfs(&self) -> StatFs {
         let g = self.inner.lock();
         let a = &g.store.alloc;
-        let dirty = self.cache.dirty_bytes();
-        let free = (a.free_bytes() + a.pinned_bytes()).saturating_sub(dirty);
-        // Cached writes hold room for their data and for the tree nodes writeback
-        // will copy (the margin of `write_begin`): that margin is not available.
-        let margin = if dirty > 0 { dirty / 32 + 2 * 4096 } else { 0 };
-        let bavail = free.saturating_sub(a.reserve() + margin) / 4096;
+        let all_free = a.free_bytes() + a.pinned_bytes();
+        let free = all_free.saturating_sub(self.cache.dirty_bytes());
+        // Cached writes hold room for their data and for the tree nodes their
+        // writeback will copy: none of it is available.
+        let bavail = all_free.saturating_sub(a.reserve() + g.promised_room()) / 4096;
         let numbers = objectid::LAST_INODE.min(snapshot::LIVE_INO_LIMIT) - g.next_ino;
         let ffree = numbers.min(bavail * INODES_PER_BLOCK);
         StatFs {
