@@ -1347,11 +1347,9 @@ fn a_disk_full_of_small_files_can_be_emptied() {
     }
 }
 
-/// Once cached writes fill the disk, statfs shows (about) no space available: what
-/// is dirty in the cache counts with the tree margin a write reserves for it.
-#[test]
-fn statfs_shows_no_room_when_cached_writes_refuse() {
-    let (_dev, fs) = mk(64 * MB);
+/// Writes 64 KiB pieces to a new file `f` until a write is refused (no writeback
+/// meanwhile); returns its inode and the bytes written.
+fn fill_with_cached_writes(fs: &Fs) -> (u64, u64) {
     let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
     let chunk = vec![9u8; 64 << 10];
     let mut off = 0;
@@ -1359,6 +1357,15 @@ fn statfs_shows_no_room_when_cached_writes_refuse() {
         off += chunk.len() as u64;
         assert!(off < 1 << 30);
     }
+    (f.ino, off)
+}
+
+/// Once cached writes fill the disk, statfs shows (about) no space available: what
+/// is dirty in the cache counts with the tree margin a write reserves for it.
+#[test]
+fn statfs_shows_no_room_when_cached_writes_refuse() {
+    let (_dev, fs) = mk(64 * MB);
+    let (_, off) = fill_with_cached_writes(&fs);
     let st = fs.statfs();
     let dirty = fs.stats().cache_dirty_bytes;
     eprintln!("{off} bytes written, {dirty} dirty; {st:?}");
@@ -1375,13 +1382,7 @@ fn statfs_shows_no_room_when_cached_writes_refuse() {
 #[test]
 fn cached_writes_keep_their_room_from_later_creates() {
     let (dev, fs) = mk(64 * MB);
-    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
-    let chunk = vec![9u8; 64 << 10];
-    let mut off = 0;
-    while fs.write(f.ino, off, &chunk).is_ok() {
-        off += chunk.len() as u64;
-        assert!(off < 1 << 30);
-    }
+    let (f, off) = fill_with_cached_writes(&fs);
     let mut made = 0;
     for n in 0..20_000 {
         match fs.mknod(ROOT_INO, format!("n{n:05}").as_bytes(), 0o644, 0, cr()) {
@@ -1391,8 +1392,8 @@ fn cached_writes_keep_their_room_from_later_creates() {
         }
     }
     eprintln!("{off} bytes cached, then {made} names");
-    fs.fsync(f.ino, false)
+    fs.fsync(f, false)
         .unwrap_or_else(|e| panic!("writeback after {made} names: {e}"));
-    assert_eq!(read_all(&fs, f.ino).len() as u64, off);
+    assert_eq!(read_all(&fs, f).len() as u64, off);
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }

@@ -1268,22 +1268,16 @@ mod tests {
     /// answered; the debt goes with the last writer's release.
     #[test]
     fn a_writeback_without_space_fails_the_writers_next_write() {
-        let dev = Arc::new(MemDev::new(40 << 20));
-        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
-        let fs = Arc::new(Fs::open(dev, Options::default()).unwrap());
-        let ffs = FuseFs::new(fs.clone());
-        let (tx, rx) = channel();
+        let Created {
+            ffs,
+            tx,
+            rx,
+            c,
+            fh,
+            ino,
+            ..
+        } = created(40 << 20);
         let r = || Reply(tx.clone());
-        let c = Caller {
-            uid: 0,
-            gid: 0,
-            pid: 1,
-        };
-        ffs.create(&c, ROOT_INO, b"f", 0o100644, 0, libc::O_WRONLY, r());
-        let Got::Handle(fh) = rx.recv().unwrap() else {
-            panic!("create failed")
-        };
-        let ino = fs.lookup(ROOT_INO, b"f").unwrap().ino;
         let block = vec![1u8; 1 << 20];
         let mut off = 0;
         let got = loop {
@@ -1323,27 +1317,68 @@ mod tests {
         assert_eq!(rx.recv().unwrap(), Got::Ok);
     }
 
-    /// SEEK_DATA answers from birchfs's extents only while no handle of the file is
-    /// open for writing (the kernel may cache a writer's data): then ENOSYS, and
-    /// again an answer once every writer, opened or created, is released.
-    #[test]
-    fn seek_data_is_declined_while_a_writer_is_open() {
-        let dev = Arc::new(MemDev::new(64 << 20));
+    /// A mount's handlers over a new filesystem of `size` bytes, with file `f`
+    /// created for writing by `c`.
+    struct Created {
+        fs: Arc<Fs>,
+        ffs: FuseFs,
+        tx: Sender<Got>,
+        rx: std::sync::mpsc::Receiver<Got>,
+        c: Caller,
+        fh: u64,
+        ino: u64,
+    }
+
+    fn created(size: u64) -> Created {
+        let dev = Arc::new(MemDev::new(size));
         Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
         let fs = Arc::new(Fs::open(dev, Options::default()).unwrap());
         let ffs = FuseFs::new(fs.clone());
         let (tx, rx) = channel();
-        let r = || Reply(tx.clone());
         let c = Caller {
             uid: 0,
             gid: 0,
             pid: 1,
         };
-        ffs.create(&c, ROOT_INO, b"f", 0o100644, 0, libc::O_WRONLY, r());
-        let Got::Handle(created) = rx.recv().unwrap() else {
+        ffs.create(
+            &c,
+            ROOT_INO,
+            b"f",
+            0o100644,
+            0,
+            libc::O_WRONLY,
+            Reply(tx.clone()),
+        );
+        let Got::Handle(fh) = rx.recv().unwrap() else {
             panic!("create failed")
         };
         let ino = fs.lookup(ROOT_INO, b"f").unwrap().ino;
+        Created {
+            fs,
+            ffs,
+            tx,
+            rx,
+            c,
+            fh,
+            ino,
+        }
+    }
+
+    /// SEEK_DATA answers from birchfs's extents only while no handle of the file is
+    /// open for writing (the kernel may cache a writer's data): then ENOSYS, and
+    /// again an answer once every writer, opened or created, is released.
+    #[test]
+    fn seek_data_is_declined_while_a_writer_is_open() {
+        let Created {
+            fs,
+            ffs,
+            tx,
+            rx,
+            fh: created,
+            ino,
+            ..
+        } = created(64 << 20);
+        let r = || Reply(tx.clone());
         fs.write(ino, 1 << 20, &[5; 4096]).unwrap();
         let seek = || {
             ffs.lseek(ino, 0, libc::SEEK_DATA, r());
