@@ -683,12 +683,12 @@ fn mount_serve(
     if !mo.fs.commit_interval.is_zero() && !mo.fs.readonly {
         let mut clock = CommitClock::new(mo.fs.commit_interval, Instant::now());
         spawn_while_mounted("committer", &fs, COMMIT_TICK, move |fs| {
-            let written = fs.bytes_written();
-            if clock.due(written, Instant::now()) {
+            let changes = fs.changes();
+            if clock.due(changes, Instant::now()) {
                 if let Err(e) = fs.commit() {
                     tracing::error!("periodic commit failed: {e}");
                 }
-                clock.committed(written, Instant::now());
+                clock.committed(changes, Instant::now());
             }
             COMMIT_TICK
         })?;
@@ -769,20 +769,22 @@ fn want_uring(mode: UringMode) -> Result<bool> {
 /// How often the periodic committer looks at the clock.
 const COMMIT_TICK: Duration = Duration::from_millis(250);
 
-/// Writes quiet this long after some came make the periodic committer commit.
+/// Changes quiet this long after some came make the periodic committer commit.
 const COMMIT_QUIET: Duration = Duration::from_secs(1);
 
-/// When the periodic committer commits: every `commit=` seconds, and once writes have
-/// been quiet for [`COMMIT_QUIET`] after some came. `sync(1)` does not reach a FUSE
-/// daemon (the kernel sends FUSE_SYNCFS to virtiofs only): it makes the kernel write
-/// its dirty pages back to birchfs, and returns. So what it wrote back is committed
-/// a second later, not up to `commit=` seconds later.
+/// When the periodic committer commits: every `commit=` seconds, and once changes
+/// (writes, names, attributes: [`birchfs::Fs::changes`]) have been quiet for
+/// [`COMMIT_QUIET`] after some came. `sync(1)` does not reach a FUSE daemon (the
+/// kernel sends FUSE_SYNCFS to virtiofs only): it makes the kernel write its dirty
+/// pages back to birchfs, and returns, and a rename or an unlink before it is in
+/// birchfs's running transaction. So what came before a `sync` is committed a
+/// second later, not up to `commit=` seconds later.
 struct CommitClock {
     every: Duration,
     last_commit: Instant,
-    /// Bytes written as of the last commit.
+    /// The change count as of the last commit.
     written_at_commit: u64,
-    /// Bytes written when last looked at, and since when that count stands.
+    /// The change count when last looked at, and since when it stands.
     seen: u64,
     seen_since: Instant,
 }
@@ -798,7 +800,7 @@ impl CommitClock {
         }
     }
 
-    /// Whether to commit at `now`, with `written` bytes written so far.
+    /// Whether to commit at `now`, with the change count at `written`.
     fn due(&mut self, written: u64, now: Instant) -> bool {
         if written != self.seen {
             self.seen = written;
@@ -809,7 +811,7 @@ impl CommitClock {
         quiet || now.saturating_duration_since(self.last_commit) >= self.every
     }
 
-    /// Notes a commit at `now` that covered `written` bytes.
+    /// Notes a commit at `now` that covered the change count `written`.
     fn committed(&mut self, written: u64, now: Instant) {
         self.last_commit = now;
         self.written_at_commit = written;

@@ -388,23 +388,35 @@ fn a_writer_that_never_syncs_gets_enospc_from_write_on_a_full_disk() {
 }
 
 /// `sync(1)` does not reach a FUSE daemon; it makes the kernel write its dirty pages
-/// back to birchfs and returns. What it wrote back is committed once writes have
-/// been quiet for a second, so it survives a kill -9 two seconds later (with the
-/// default `commit=30`, it was lost).
+/// back to birchfs and returns. What it wrote back, and the names changed before it,
+/// are committed once changes have been quiet for a second, so they survive a kill -9
+/// two seconds later (with the default `commit=30`, they were lost).
 #[test]
 fn what_sync_wrote_back_is_committed_a_second_later() {
     let mut m = Mount::new();
+    let sync_and_wait = || {
+        let out = run(&mut Command::new("sync"), Duration::from_secs(30));
+        assert!(out.status.success(), "sync: {}", describe(&out));
+        std::thread::sleep(Duration::from_millis(2500));
+    };
+    fs::write(m.path("old-name"), b"renamed").unwrap();
+    fs::write(m.path("gone"), b"deleted").unwrap();
     let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8).collect();
     fs::write(m.path("synced"), &data).unwrap();
     fs::create_dir(m.path("d")).unwrap();
     fs::write(m.path("d/small"), b"small").unwrap();
-    let out = run(&mut Command::new("sync"), Duration::from_secs(30));
-    assert!(out.status.success(), "sync: {}", describe(&out));
-    std::thread::sleep(Duration::from_millis(2500));
+    sync_and_wait();
+    // Names changed after that, with no data written.
+    fs::rename(m.path("old-name"), m.path("new-name")).unwrap();
+    fs::remove_file(m.path("gone")).unwrap();
+    sync_and_wait();
     m.kill_daemon();
     m.mount();
     assert_eq!(fs::read(m.path("synced")).unwrap(), data);
     assert_eq!(fs::read(m.path("d/small")).unwrap(), b"small");
+    assert_eq!(fs::read(m.path("new-name")).unwrap(), b"renamed");
+    assert!(!m.path("old-name").exists(), "the rename was lost");
+    assert!(!m.path("gone").exists(), "the unlink was lost");
     m.unmount();
 }
 

@@ -220,6 +220,8 @@ pub struct Fs {
     ra_thread: std::sync::atomic::AtomicBool,
     /// Buffers for writeback runs (one extent each), reused from run to run.
     run_bufs: crate::dev::BufPool,
+    /// Changes users asked for so far (see [`Fs::changes`]).
+    changes: std::sync::atomic::AtomicU64,
     /// Tests: runs inside a write under way, before its copy into the cache (with
     /// `false`) and after it (`true`).
     #[cfg(test)]
@@ -303,6 +305,7 @@ impl Fs {
                 crate::format::MAX_EXTENT_SIZE as usize,
                 RUN_BUFS_KEPT,
             ),
+            changes: std::sync::atomic::AtomicU64::new(0),
             #[cfg(test)]
             write_hook: Mutex::new(None),
         };
@@ -336,11 +339,10 @@ impl Fs {
         &self.opts
     }
 
-    /// Bytes users have written so far (the `bytes.user` counter), cheaply.
-    pub fn bytes_written(&self) -> u64 {
-        self.stats
-            .user_bytes
-            .load(std::sync::atomic::Ordering::Relaxed)
+    /// A count that moves with every change users ask for (writes, names,
+    /// attributes, xattrs), for a server that commits once they stop.
+    pub fn changes(&self) -> u64 {
+        self.changes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Counters of fsyncs, commits and device traffic.
@@ -359,6 +361,8 @@ impl Fs {
     /// `Allocator::has_op_margin` free, so that its node copies never run out
     /// halfway (which would leave it half done): deletions go through here too.
     fn with_space<T>(&self, f: impl Fn(&mut Inner) -> Result<T>) -> Result<T> {
+        self.changes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let guarded = |i: &mut Inner| {
             if !i.store.alloc.has_op_margin() {
                 return Err(Error::NoSpace);
