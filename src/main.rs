@@ -765,7 +765,6 @@ fn want_uring(mode: UringMode) -> Result<bool> {
     Ok(uring::enabled_in_kernel())
 }
 
-/// Runs `step` on a thread named `name` for as long as `fs` is alive: after a pause
 /// How often the periodic committer looks at the clock.
 const COMMIT_TICK: Duration = Duration::from_millis(250);
 
@@ -783,7 +782,7 @@ struct CommitClock {
     every: Duration,
     last_commit: Instant,
     /// The change count as of the last commit.
-    written_at_commit: u64,
+    changes_at_commit: u64,
     /// The change count when last looked at, and since when it stands.
     seen: u64,
     seen_since: Instant,
@@ -794,30 +793,31 @@ impl CommitClock {
         CommitClock {
             every,
             last_commit: now,
-            written_at_commit: 0,
+            changes_at_commit: 0,
             seen: 0,
             seen_since: now,
         }
     }
 
-    /// Whether to commit at `now`, with the change count at `written`.
-    fn due(&mut self, written: u64, now: Instant) -> bool {
-        if written != self.seen {
-            self.seen = written;
+    /// Whether to commit at `now`, with the change count at `changes`.
+    fn due(&mut self, changes: u64, now: Instant) -> bool {
+        if changes != self.seen {
+            self.seen = changes;
             self.seen_since = now;
         }
-        let quiet = written != self.written_at_commit
+        let quiet = changes != self.changes_at_commit
             && now.saturating_duration_since(self.seen_since) >= COMMIT_QUIET;
         quiet || now.saturating_duration_since(self.last_commit) >= self.every
     }
 
-    /// Notes a commit at `now` that covered the change count `written`.
-    fn committed(&mut self, written: u64, now: Instant) {
+    /// Notes a commit at `now` that covered the change count `changes`.
+    fn committed(&mut self, changes: u64, now: Instant) {
         self.last_commit = now;
-        self.written_at_commit = written;
+        self.changes_at_commit = changes;
     }
 }
 
+/// Runs `step` on a thread named `name` for as long as `fs` is alive: after a pause
 /// (`first`, then what the step returns), each step gets the filesystem, and lets go
 /// of it before pausing, so the thread never keeps an unmounted filesystem alive.
 fn spawn_while_mounted(
@@ -1033,26 +1033,26 @@ mod tests {
 
     const S: Duration = Duration::from_secs(1);
 
-    /// Writes that stop are committed a second later; writes that go on wait for the
-    /// interval; no writes, no early commit.
+    /// Changes that stop are committed a second later; changes that go on wait for
+    /// the interval; no changes, no early commit.
     #[test]
     fn the_committer_commits_a_second_after_writes_stop_and_at_the_interval() {
         let t0 = Instant::now();
         let mut c = CommitClock::new(30 * S, t0);
-        assert!(!c.due(0, t0 + S * 5), "nothing written");
-        // Writes keep coming every 250 ms: only the interval commits.
+        assert!(!c.due(0, t0 + S * 5), "nothing changed");
+        // Changes keep coming every 250 ms: only the interval commits.
         let mut w = 0;
         let mut t = t0 + S * 5;
         while t < t0 + S * 29 {
-            w += 4096;
-            assert!(!c.due(w, t), "writes still coming at {:?}", t - t0);
+            w += 1;
+            assert!(!c.due(w, t), "changes still coming at {:?}", t - t0);
             t += COMMIT_TICK;
         }
         assert!(c.due(w, t0 + S * 30), "the interval");
         c.committed(w, t0 + S * 30);
         assert!(!c.due(w, t0 + S * 31), "nothing new since");
         // A burst (as sync(1) makes the kernel send), then quiet.
-        w += 1 << 20;
+        w += 256;
         assert!(!c.due(w, t0 + S * 40));
         assert!(!c.due(w, t0 + S * 40 + COMMIT_TICK * 3));
         assert!(c.due(w, t0 + S * 41), "quiet for a second");
