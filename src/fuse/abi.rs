@@ -58,10 +58,10 @@ pub(crate) const FALLOCATE: u32 = 43;
 pub(crate) const READDIRPLUS: u32 = 44;
 pub(crate) const RENAME2: u32 = 45;
 pub(crate) const LSEEK: u32 = 46;
+pub(crate) const COPY_FILE_RANGE: u32 = 47;
 
 /// `fuse_getattr_in.getattr_flags`: the kernel asks on behalf of an open file, `fh`.
 pub(crate) const GETATTR_FH: u32 = 1;
-pub(crate) const COPY_FILE_RANGE: u32 = 47;
 
 /// setattr's `valid` bits.
 pub(crate) const FATTR_MODE: u32 = 1 << 0;

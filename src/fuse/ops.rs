@@ -68,14 +68,25 @@ struct Writers {
     no_space: parking_lot::Mutex<std::collections::HashSet<u64>>,
 }
 
+/// Whether a handle opened with `flags` (the kernel's own, as at open and release)
+/// can write.
+fn writes(flags: i32) -> bool {
+    flags & libc::O_ACCMODE != libc::O_RDONLY
+}
+
 impl Writers {
-    /// Counts a handle of `ino` open for writing.
-    fn opened(&self, ino: u64) {
-        *self.open.lock().entry(ino).or_default() += 1;
+    /// Counts a handle of `ino` opened with `flags` if it writes.
+    fn opened(&self, ino: u64, flags: i32) {
+        if writes(flags) {
+            *self.open.lock().entry(ino).or_default() += 1;
+        }
     }
 
-    /// Uncounts one.
-    fn released(&self, ino: u64) {
+    /// Uncounts a handle of `ino` opened with `flags`, as [`Writers::opened`] counted it.
+    fn released(&self, ino: u64, flags: i32) {
+        if !writes(flags) {
+            return;
+        }
         let mut w = self.open.lock();
         if let Some(n) = w.get_mut(&ino) {
             *n -= 1;
@@ -85,6 +96,19 @@ impl Writers {
                 self.released.notify_all();
             }
         }
+    }
+
+    /// Notes that a writeback of `ino` found no space; whether that is news (a
+    /// writer is open and was not told yet). Held under the count's lock, so a
+    /// release meanwhile cannot leave the note behind for a later writer.
+    fn owe_no_space(&self, ino: u64) -> bool {
+        let w = self.open.lock();
+        w.contains_key(&ino) && self.no_space.lock().insert(ino)
+    }
+
+    /// Takes the note of [`Writers::owe_no_space`] for `ino`: whether there was one.
+    fn take_no_space(&self, ino: u64) -> bool {
+        self.no_space.lock().remove(&ino)
     }
 
     /// Whether `ino` has no handle open for writing, waiting up to `max` for that.
@@ -606,7 +630,7 @@ impl FuseFs {
     /// the next write()). A stat() asks without a handle and is answered as always.
     pub(crate) fn getattr(&self, nodeid: u64, fh: Option<u64>, reply: impl AnswerAttr) {
         let ino = to_ino(nodeid);
-        if fh.is_some() && self.writers.no_space.lock().remove(&ino) {
+        if fh.is_some() && self.writers.take_no_space(ino) {
             return reply.error(err(libc::ENOSPC));
         }
         attr(self.fs.getattr(ino), reply)
@@ -765,7 +789,7 @@ impl FuseFs {
                 reply.error(err(libc::EISDIR))
             }
             Ok(a) if a.kind == FileKind::File => {
-                self.writer_opened(a.ino, flags);
+                self.writers.opened(a.ino, flags);
                 match self.direct.open(a.ino, flags, a.size) {
                     DIRECT_FH => reply.opened(
                         FileHandle(DIRECT_FH),
@@ -842,10 +866,7 @@ impl FuseFs {
     /// Notes that a writeback of `ino` found no space, so that its writers' next
     /// write() fails (see [`FuseFs::getattr`]).
     fn no_space_for_writeback(&self, ino: u64) {
-        if !self.writers.open.lock().contains_key(&ino) {
-            return;
-        }
-        if !self.writers.no_space.lock().insert(ino) {
+        if !self.writers.owe_no_space(ino) {
             return;
         }
         if let Some(n) = self.notifier.get() {
@@ -860,13 +881,6 @@ impl FuseFs {
     /// FLUSH, which saves a round trip on every close.
     pub(crate) fn flush(&self, reply: impl AnswerEmpty) {
         reply.error(err(libc::ENOSYS))
-    }
-
-    /// Counts a handle of `ino` opened with `flags` if it writes, until its release.
-    fn writer_opened(&self, ino: u64, flags: i32) {
-        if flags & libc::O_ACCMODE != libc::O_RDONLY {
-            self.writers.opened(ino);
-        }
     }
 
     /// SEEK_DATA and SEEK_HOLE, from birchfs's extents once its cache of the file is
@@ -900,9 +914,7 @@ impl FuseFs {
 
     /// Closes handle `fh`, opened with `flags` (the kernel's own, as at open).
     pub(crate) fn release(&self, nodeid: u64, fh: u64, flags: i32, reply: impl AnswerEmpty) {
-        if flags & libc::O_ACCMODE != libc::O_RDONLY {
-            self.writers.released(to_ino(nodeid));
-        }
+        self.writers.released(to_ino(nodeid), flags);
         self.direct.release(to_ino(nodeid), fh);
         empty(self.fs.release(to_ino(nodeid)), reply)
     }
@@ -1117,7 +1129,7 @@ impl FuseFs {
         match r {
             Ok(a) => {
                 self.direct.created(a.ino);
-                self.writer_opened(a.ino, flags);
+                self.writers.opened(a.ino, flags);
                 reply.created(
                     &TTL,
                     &fattr(&a),
