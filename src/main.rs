@@ -70,6 +70,11 @@ enum Cmd {
         /// Image file or block device
         image: PathBuf,
     },
+    /// Unmount MOUNTPOINT and wait until its daemon has committed everything and exited
+    Umount {
+        /// The mountpoint
+        mountpoint: PathBuf,
+    },
     /// Print the statistics of a mounted birchfs
     Stats {
         /// Print JSON instead of a table
@@ -180,8 +185,10 @@ fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
             }
         }
     } else {
-        let fs = Fs::open_path(
-            &target,
+        let dev = open_when_free(&target, true)
+            .with_context(|| format!("cannot open {}", target.display()))?;
+        let fs = Fs::open(
+            Arc::new(dev),
             Options {
                 commit_interval: Duration::ZERO,
                 ..Default::default()
@@ -243,14 +250,12 @@ fn parse_size(s: &str) -> Result<u64> {
         .ok_or_else(|| anyhow!("size '{s}' too large"))
 }
 
-/// Writes zeros over all `len` bytes of the image file `image`, so the host allocates
-/// every block: on a sparse image, a copy-on-write filesystem's fsyncs keep landing
-/// in holes, and the host then commits its own journal before the flush returns.
-fn preallocate(image: &Path, len: u64) -> Result<()> {
+/// Writes zeros over all of the image file behind `dev`, so the host allocates every
+/// block: on a sparse image, a copy-on-write filesystem's fsyncs keep landing in
+/// holes, and the host then commits its own journal before the flush returns.
+fn preallocate(dev: &FileDev, image: &Path) -> Result<()> {
     use birchfs::dev::BlockDev;
-    let dev =
-        FileDev::open(image, true).with_context(|| format!("cannot open {}", image.display()))?;
-    birchfs::dev::write_zeros(&dev, 0, len)
+    birchfs::dev::write_zeros(dev, 0, dev.size())
         .with_context(|| format!("cannot write zeros to {}", image.display()))?;
     dev.flush()
         .with_context(|| format!("cannot flush {}", image.display()))?;
@@ -266,60 +271,58 @@ fn mkfs(
 ) -> Result<()> {
     let size = size.as_deref().map(parse_size).transpose()?;
     let exists = image.exists();
-    if exists && !force {
-        let dev = FileDev::open(image, false)
-            .with_context(|| format!("cannot open {}", image.display()))?;
-        if birchfs::check::has_birchfs_magic(&dev) {
-            bail!(
-                "{} already holds a birchfs filesystem; use --force to overwrite it",
-                image.display()
-            );
-        }
-    }
-    if !exists || size.is_some() {
-        let f = std::fs::OpenOptions::new()
+    if !exists {
+        std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .open(image)
             .with_context(|| format!("cannot create {}", image.display()))?;
-        let meta = f.metadata()?;
-        if meta.file_type().is_file() {
-            let want = size.unwrap_or(1 << 30);
-            if meta.len() != want {
-                f.set_len(want)
-                    .with_context(|| format!("cannot size {}", image.display()))?;
-            }
+    }
+    // Everything below, resizing included, happens under the image's lock: a mounted
+    // image is refused before a byte of it changes.
+    let mut dev =
+        open_when_free(image, true).with_context(|| format!("cannot open {}", image.display()))?;
+    if exists && !force && birchfs::check::has_birchfs_magic(&dev) {
+        bail!(
+            "{} already holds a birchfs filesystem; use --force to overwrite it",
+            image.display()
+        );
+    }
+    let meta =
+        std::fs::metadata(image).with_context(|| format!("cannot open {}", image.display()))?;
+    let is_file = meta.file_type().is_file();
+    if prealloc && !is_file {
+        bail!(
+            "--preallocate is for image files; {} is not one",
+            image.display()
+        );
+    }
+    // It overwrites every byte: an existing file's contents only with --force.
+    if prealloc && exists && !force {
+        bail!(
+            "--preallocate overwrites all of the existing {}; add --force",
+            image.display()
+        );
+    }
+    if is_file && (!exists || size.is_some()) {
+        let want = size.unwrap_or(1 << 30);
+        if meta.len() != want {
+            dev.resize(want)
+                .with_context(|| format!("cannot size {}", image.display()))?;
         }
     }
     if prealloc {
-        let meta =
-            std::fs::metadata(image).with_context(|| format!("cannot open {}", image.display()))?;
-        if !meta.file_type().is_file() {
-            bail!(
-                "--preallocate is for image files; {} is not one",
-                image.display()
-            );
-        }
-        // It overwrites every byte: refuse what mkfs would refuse anyway first, and an
-        // existing file's contents without --force.
-        if meta.len() < 32 << 20 {
+        // Refuse what mkfs would refuse anyway before writing zeros.
+        if birchfs::dev::BlockDev::size(&dev) < 32 << 20 {
             bail!(
                 "{} is smaller than 32 MiB; nothing written",
                 image.display()
             );
         }
-        if exists && !force {
-            bail!(
-                "--preallocate overwrites all of the existing {}; add --force",
-                image.display()
-            );
-        }
-        preallocate(image, meta.len())?;
+        preallocate(&dev, image)?;
     }
-    let dev = Arc::new(
-        FileDev::open(image, true).with_context(|| format!("cannot open {}", image.display()))?,
-    );
+    let dev = Arc::new(dev);
     let bytes = birchfs::dev::BlockDev::size(dev.as_ref());
     Fs::mkfs(dev, &MkfsOptions { node_size })
         .with_context(|| format!("mkfs on {} failed", image.display()))?;
@@ -584,7 +587,8 @@ fn mount(opts: &[String], image: &Path, mountpoint: &Path, ready_fd: Option<i32>
 }
 
 /// Opens the image, waiting up to 10 s while another process holds its lock: after
-/// `umount` the previous daemon still finishes its last commit before it lets go.
+/// `umount` the previous daemon still finishes its last commit before it lets go
+/// (used by every command that opens an image).
 fn open_when_free(image: &Path, writable: bool) -> std::io::Result<FileDev> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -597,6 +601,122 @@ fn open_when_free(image: &Path, writable: bool) -> std::io::Result<FileDev> {
             }
             r => return r,
         }
+    }
+}
+
+/// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked),
+/// from the text of /proc/self/mountinfo.
+fn mounted_image(mountinfo: &str, mountpoint: &Path) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStringExt;
+    // Mountinfo writes space, tab, newline and backslash in paths as \ooo (octal).
+    let unescape = |f: &str| -> std::ffi::OsString {
+        let b = f.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            let code = b
+                .get(i + 1..i + 4)
+                .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)))
+                .map(|d| d.iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0')));
+            match code {
+                Some(c) if c <= 0xff => {
+                    out.push(c as u8);
+                    i += 4;
+                }
+                _ => {
+                    out.push(b[i]);
+                    i += 1;
+                }
+            }
+        }
+        std::ffi::OsString::from_vec(out)
+    };
+    // The last mount on the path is the one on top, which an unmount would remove.
+    let top: Vec<&str> = mountinfo
+        .lines()
+        .rev()
+        .map(|line| line.split(' ').collect::<Vec<&str>>())
+        .find(|f| {
+            f.get(4)
+                .is_some_and(|m| Path::new(&unescape(m)) == mountpoint)
+        })?;
+    let sep = top.iter().position(|f| *f == "-")?;
+    let (fstype, source) = (top.get(sep + 1)?, top.get(sep + 2)?);
+    let is_fuse = *fstype == "fuse" || *fstype == "fuseblk" || fstype.starts_with("fuse.");
+    let image = unescape(source.strip_prefix("birchfs:")?);
+    is_fuse.then(|| PathBuf::from(image))
+}
+
+/// Unmounts the birchfs at `mountpoint` and waits until its daemon has written its last
+/// commit and let go of the image, as `umount` of a kernel filesystem returns only
+/// once everything is on disk.
+fn umount(mountpoint: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let info = std::fs::read_to_string("/proc/self/mountinfo")
+        .context("cannot read /proc/self/mountinfo")?;
+    let abs = std::path::absolute(mountpoint)?;
+    let image = mounted_image(&info, &abs)
+        .or_else(|| mounted_image(&info, &std::fs::canonicalize(&abs).ok()?))
+        .ok_or_else(|| anyhow!("{} is not a birchfs mountpoint", mountpoint.display()))?;
+    // Opened before the unmount: the daemon holds the image's lock until it is done.
+    let held = std::fs::File::open(&image);
+    let target = abs.as_os_str().as_bytes();
+    let c = std::ffi::CString::new(target).context("mountpoint with a NUL byte")?;
+    // SAFETY: umount2 on a valid C string.
+    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            // Not root: the setuid helper unmounts what its user mounted.
+            Some(libc::EPERM) => {
+                let st = Command::new("fusermount3")
+                    .arg("-u")
+                    .arg(&abs)
+                    .status()
+                    .context("cannot run fusermount3")?;
+                if !st.success() {
+                    bail!("fusermount3 -u {} failed", abs.display());
+                }
+            }
+            Some(libc::EBUSY) => bail!(
+                "cannot unmount {}: busy (a file is open there, or a process's working directory is inside)",
+                abs.display()
+            ),
+            _ => bail!("cannot unmount {}: {e}", abs.display()),
+        }
+    }
+    let file = held.with_context(|| {
+        format!(
+            "unmounted {}, but cannot open {} to wait for its daemon",
+            abs.display(),
+            image.display()
+        )
+    })?;
+    let start = Instant::now();
+    let mut told = false;
+    loop {
+        // SAFETY: flock on a valid fd owned by `file`; a shared lock waits for the
+        // daemon's exclusive one.
+        if unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                libc::LOCK_SH | libc::LOCK_NB,
+            )
+        } == 0
+        {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            bail!("cannot wait for the daemon of {}: {e}", image.display());
+        }
+        if !told && start.elapsed() > Duration::from_secs(1) {
+            eprintln!(
+                "birchfs umount: waiting for the daemon of {} to write its last commit",
+                image.display()
+            );
+            told = true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -621,7 +741,8 @@ fn mount_serve(
     );
     let mut cfg = fuser::Config::default();
     cfg.mount_options = vec![
-        fuser::MountOption::FSName(format!("birchfs:{}", image.display())),
+        // Absolute, so that `birchfs umount` finds the image from anywhere.
+        fuser::MountOption::FSName(format!("birchfs:{}", std::path::absolute(image)?.display())),
         fuser::MountOption::Subtype("birchfs".into()),
         fuser::MountOption::DefaultPermissions,
     ];
@@ -940,7 +1061,7 @@ fn run() -> Result<ExitCode> {
         }
         Cmd::Check { image } => {
             init_logging(None)?;
-            let dev = match FileDev::open(&image, false) {
+            let dev = match open_when_free(&image, false) {
                 Ok(d) => d,
                 Err(e) => {
                     eprintln!("birchfs check: cannot open {}: {e}", image.display());
@@ -973,6 +1094,7 @@ fn run() -> Result<ExitCode> {
                 }
             });
         }
+        Cmd::Umount { mountpoint } => umount(&mountpoint)?,
         Cmd::Stats {
             json,
             space,
@@ -996,7 +1118,7 @@ fn run() -> Result<ExitCode> {
         }
         Cmd::Dump { tree, image } => {
             init_logging(None)?;
-            let dev = FileDev::open(&image, false)
+            let dev = open_when_free(&image, false)
                 .with_context(|| format!("cannot open {}", image.display()))?;
             let stdout = std::io::stdout();
             birchfs::dump::dump(&dev, tree.as_deref(), &mut stdout.lock())?;
@@ -1030,6 +1152,31 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The image comes from the last birchfs mount on that path, with mountinfo's
+    /// octal escapes undone; other filesystems and other paths give nothing.
+    #[test]
+    fn mounted_image_reads_the_mount_table() {
+        let info = "\
+22 1 8:1 / / rw - ext4 /dev/sda1 rw
+44 22 0:39 / /mnt/a\\040b rw,relatime - fuse birchfs:/img/first\\040one rw,user_id=0
+45 44 0:40 / /mnt/a\\040b rw - fuse.birchfs birchfs:/img/second rw
+46 22 0:41 / /mnt/c rw - fuse sshfs:/x rw
+47 22 0:42 / /mnt/d rw shared:5 - fuseblk birchfs:/dev/loop0 rw
+";
+        let img = |m: &str| mounted_image(info, Path::new(m));
+        assert_eq!(img("/mnt/a b"), Some(PathBuf::from("/img/second")));
+        assert_eq!(img("/mnt/d"), Some(PathBuf::from("/dev/loop0")));
+        assert_eq!(img("/mnt/c"), None, "not birchfs");
+        assert_eq!(img("/"), None, "not fuse");
+        assert_eq!(img("/mnt"), None, "nothing mounted there");
+        let first = info.replace(" fuse.birchfs birchfs:/img/second", " tmpfs none");
+        assert_eq!(
+            mounted_image(&first, Path::new("/mnt/a b")),
+            None,
+            "the top mount is not birchfs"
+        );
+    }
 
     const S: Duration = Duration::from_secs(1);
 

@@ -3558,6 +3558,120 @@ fn read_only_mount_refuses_writes() {
     m.unmount();
 }
 
+#[test]
+fn mkfs_of_a_mounted_image_changes_nothing() {
+    let mut m = Mount::new();
+    fs::write(m.path("keep"), b"precious").unwrap();
+    File::open(m.path("keep")).unwrap().sync_all().unwrap();
+    let before = fs::metadata(m.image()).unwrap().len();
+    // --force and a new size: it used to cut the image down before it saw the lock.
+    let out = m.mkfs(&["--force", "--size", "64M"]);
+    assert!(
+        !out.status.success(),
+        "mkfs of a mounted image succeeded:\n{}",
+        describe(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("in use"),
+        "the refusal should say the image is in use:\n{}",
+        describe(&out)
+    );
+    assert_eq!(
+        fs::metadata(m.image()).unwrap().len(),
+        before,
+        "image resized"
+    );
+    assert_eq!(fs::read(m.path("keep")).unwrap(), b"precious");
+    m.remount();
+    assert_eq!(fs::read(m.path("keep")).unwrap(), b"precious");
+    m.unmount();
+}
+
+/// Right after `umount` the daemon may still be writing its last commit: `check`
+/// waits for the image's lock instead of refusing it as in use.
+#[test]
+fn check_waits_for_a_daemon_that_is_finishing() {
+    let mut m = Mount::new();
+    fs::write(m.path("f"), b"x").unwrap();
+    m.unmount();
+    // Stand in for a daemon still committing: hold the lock for a second.
+    let f = File::open(m.image()).unwrap();
+    // SAFETY: flock on a valid fd owned by `f`.
+    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let holder = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(f);
+    });
+    let c = m.check();
+    holder.join().unwrap();
+    assert_eq!(
+        c.status.code(),
+        Some(0),
+        "check while the image was held for a second:\n{}",
+        describe(&c)
+    );
+}
+
+/// `birchfs umount` returns once the daemon has written everything and let go of the
+/// image, where `umount` returns while the daemon is still committing.
+#[test]
+fn birchfs_umount_returns_after_the_last_commit() {
+    let mut m = Mount::new();
+    m.unmount();
+    m.mount_with(&["commit=0"]);
+    let mut rng = StdRng::seed_from_u64(7);
+    let data: Vec<u8> = (0..64 * MIB).map(|_| rng.gen()).collect();
+    fs::write(m.path("big"), &data).unwrap();
+    fs::write(m.path("small"), b"small").unwrap();
+    let out = m.birchfs_umount();
+    assert!(out.status.success(), "birchfs umount:\n{}", describe(&out));
+    assert!(!is_mounted_at(m.root()), "still mounted");
+    assert!(
+        image_unlocked(m.image()),
+        "birchfs umount returned while the daemon still held the image"
+    );
+    let c = m.check();
+    assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
+    // Not a birchfs mount, or nothing mounted: an error, and nothing unmounted.
+    for p in [m.root().to_path_buf(), PathBuf::from("/proc")] {
+        let out = run(
+            Command::new(BIN).arg("umount").arg(&p),
+            Duration::from_secs(30),
+        );
+        assert!(
+            !out.status.success(),
+            "umount {}:\n{}",
+            p.display(),
+            describe(&out)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("not a birchfs mountpoint"),
+            "{}",
+            describe(&out)
+        );
+    }
+    assert!(is_mounted_at(Path::new("/proc")));
+    m.mount();
+    assert!(fs::read(m.path("big")).unwrap() == data, "big differs");
+    assert_eq!(fs::read(m.path("small")).unwrap(), b"small");
+    // A busy mount stays mounted, with a message.
+    let open = File::open(m.path("small")).unwrap();
+    let out = m.birchfs_umount();
+    assert!(
+        !out.status.success(),
+        "umount with a file open:\n{}",
+        describe(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("busy"),
+        "{}",
+        describe(&out)
+    );
+    assert!(is_mounted_at(m.root()));
+    drop(open);
+    m.unmount();
+}
+
 // ---------------------------------------------------------------------------
 // scale and concurrency
 // ---------------------------------------------------------------------------

@@ -144,6 +144,13 @@ impl FileDev {
         })
     }
 
+    /// Sets the length of an image file (not of a block device) to `len` bytes.
+    pub fn resize(&mut self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)?;
+        self.size = len;
+        Ok(())
+    }
+
     /// The O_DIRECT file, if `len` bytes at `off` should go through it.
     fn direct_for(&self, len: usize, off: u64, read: bool) -> Option<&File> {
         let min = if read && self.reads_direct {

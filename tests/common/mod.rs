@@ -215,7 +215,8 @@ pub fn processes_naming(image: &Path) -> Vec<u32> {
 }
 
 /// True when nobody holds an flock or a POSIX/OFD lock on the image.
-fn image_unlocked(image: &Path) -> bool {
+/// No process holds the image's lock (flock or POSIX).
+pub fn image_unlocked(image: &Path) -> bool {
     let f = match File::open(image) {
         Ok(f) => f,
         Err(_) => return true,
@@ -609,6 +610,21 @@ impl Mount {
             panic!("umount {} failed:\n{}", self.mnt.display(), failure);
         }
         self.mounted = false;
+    }
+
+    /// Runs `birchfs umount` on the mount point and returns its output; the mount
+    /// counts as gone when it succeeded.
+    #[track_caller]
+    pub fn birchfs_umount(&mut self) -> Output {
+        assert!(self.mounted, "unmount: not mounted");
+        let out = run(
+            Command::new(BIN).arg("umount").arg(&self.mnt),
+            UMOUNT_TIMEOUT,
+        );
+        if out.status.success() {
+            self.mounted = false;
+        }
+        out
     }
 
     /// Unmounts and waits for the daemon, without asserting that check is clean;
