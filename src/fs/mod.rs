@@ -975,10 +975,18 @@ pub(crate) fn log_batches(
         found.extend(next.batches);
     }
     let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr).is_ok();
-    let batches = found
+    let n = found.len();
+    let batches: Vec<_> = found
         .into_iter()
         .take_while(|b| crate::log::data_landed(b, &mut read))
         .collect();
+    if batches.len() < n {
+        // The batches of a flush a crash cut short: answered fsyncs are never among them.
+        tracing::info!(
+            "log replay stops at batch {} of {n}: data it names did not land",
+            batches.len()
+        );
+    }
     Ok((batches, used))
 }
 
