@@ -93,7 +93,7 @@ enum Cmd {
     },
     /// Print the trees of IMAGE
     Dump {
-        /// Only this tree: root, extent, fs, csum
+        /// Only this tree: root, extent, fs, csum; or log (the fsynced changes a mount would replay)
         #[arg(long)]
         tree: Option<String>,
         /// Image file or block device
