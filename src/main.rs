@@ -506,8 +506,10 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
 }
 
 fn init_logging(log: Option<&Path>) -> Result<()> {
+    // fuser warns at every unmount made from outside (its own unmount then finds
+    // nothing mounted); its other session messages are errors.
     let filter = tracing_subscriber::EnvFilter::try_from_env("BIRCHFS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fuser::session=error"));
     let b = tracing_subscriber::fmt().with_env_filter(filter);
     match log {
         Some(p) => {

@@ -3613,11 +3613,13 @@ fn check_waits_for_a_daemon_that_is_finishing() {
 }
 
 /// `birchfs umount` returns once the daemon has written everything and let go of the
-/// image, where `umount` returns while the daemon is still committing.
+/// image, where `umount` returns while the daemon is still committing. Neither
+/// leaves a warning in the daemon's log.
 #[test]
 fn birchfs_umount_returns_after_the_last_commit() {
     let mut m = Mount::new();
     m.unmount();
+    m.log_to_file();
     m.mount_with(&["commit=0"]);
     let mut rng = StdRng::seed_from_u64(7);
     let data: Vec<u8> = (0..64 * MIB).map(|_| rng.gen()).collect();
@@ -3670,6 +3672,11 @@ fn birchfs_umount_returns_after_the_last_commit() {
     assert!(is_mounted_at(m.root()));
     drop(open);
     m.unmount();
+    let log = m.daemon_log();
+    assert!(
+        !log.contains("WARN") && !log.contains("ERROR"),
+        "clean unmounts left this in the log:\n{log}"
+    );
 }
 
 // ---------------------------------------------------------------------------
