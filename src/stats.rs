@@ -95,6 +95,7 @@ impl Stats {
             cloned_bytes: g(&self.cloned_bytes),
             cache_bytes: 0,
             cache_dirty_bytes: 0,
+            cache_limit: 0,
             dev_meta_bytes: g(&self.dev_meta_bytes),
             dev_super_bytes: g(&self.dev_super_bytes),
             dev_log_bytes: g(&self.dev_log_bytes),
@@ -152,6 +153,8 @@ pub struct StatsSnapshot {
     pub cache_bytes: u64,
     /// Bytes of dirty blocks in the page cache now (a gauge).
     pub cache_dirty_bytes: u64,
+    /// The page cache's size limit (`cache_size=`).
+    pub cache_limit: u64,
     /// See [`Stats::dev_meta_bytes`].
     pub dev_meta_bytes: u64,
     /// See [`Stats::dev_super_bytes`].
@@ -293,7 +296,7 @@ impl StatsSnapshot {
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
-                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{}}},\"flushes\":{},\"uring_requests\":{},",
+                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"gather\":{{\"chosen\":{},\"declined\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
@@ -321,6 +324,7 @@ impl StatsSnapshot {
             self.direct_handles,
             self.cache_bytes,
             self.cache_dirty_bytes,
+            self.cache_limit,
             self.flushes,
             self.uring_requests,
             self.gather_chosen,
@@ -422,6 +426,7 @@ impl StatsSnapshot {
             "page cache dirty",
             self.cache_dirty_bytes.to_string(),
         );
+        row(&mut s, "page cache limit", self.cache_limit.to_string());
         for (name, l) in [
             ("fsync", &self.fsync_latency),
             ("commit", &self.commit_latency),

@@ -172,11 +172,57 @@ fn cache_mount_options_are_checked() {
         "threads=1",
         "direct_read=off",
     ]);
+    assert_eq!(daemon_stats(&m)["cache"]["limit"].as_u64(), Some(64 << 20));
     let p = m.path("f");
     fs::write(&p, b"hello").unwrap();
     fs::File::open(&p).unwrap().sync_all().unwrap();
     m.remount();
     assert_eq!(fs::read(&p).unwrap(), b"hello");
+    m.unmount();
+}
+
+/// A daemon started in a memory cgroup (a container's, say) sizes its default cache
+/// from the cgroup's limit, not from the machine's memory. Needs root and a cgroup v1
+/// memory hierarchy (as on the benchmark machine); skipped without them.
+#[test]
+fn the_default_cache_is_an_eighth_of_the_cgroup_memory_limit() {
+    let root = Path::new("/sys/fs/cgroup/memory");
+    let cg = root.join(format!("birchfs-test-{}", std::process::id()));
+    if !root.join("cgroup.procs").exists() || fs::create_dir(&cg).is_err() {
+        eprintln!("note: no writable cgroup v1 memory hierarchy here; skipped");
+        return;
+    }
+    let limit: u64 = 1 << 30;
+    fs::write(cg.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
+    let m = Mount::unmounted("1G");
+    // The mount command joins the cgroup first; its daemon inherits it.
+    let out = run(
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(r#"echo $$ > "$1/cgroup.procs" && exec "$2" mount "$3" "$4""#)
+            .arg("sh")
+            .arg(&cg)
+            .arg(BIN)
+            .arg(m.image())
+            .arg(m.root()),
+        std::time::Duration::from_secs(60),
+    );
+    let limit_seen = daemon_stats(&m)["cache"]["limit"].as_u64();
+    let down = run(
+        std::process::Command::new(BIN).arg("umount").arg(m.root()),
+        std::time::Duration::from_secs(60),
+    );
+    let _ = fs::remove_dir(&cg);
+    assert!(out.status.success(), "mount:\n{}", describe(&out));
+    assert!(down.status.success(), "umount:\n{}", describe(&down));
+    assert_eq!(limit_seen, Some(limit / 8), "cache limit in a 1 GiB cgroup");
+    // Outside the cgroup the default is larger on any machine with over 1 GiB.
+    let mut m = m;
+    m.mount();
+    let ram = fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = ram.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let want = (kib * 1024 / 8).max(64 << 20);
+    assert_eq!(daemon_stats(&m)["cache"]["limit"].as_u64(), Some(want));
     m.unmount();
 }
 

@@ -53,7 +53,8 @@ impl Default for CacheOptions {
     }
 }
 
-/// The default cache size: an eighth of physical memory, at least 64 MiB.
+/// The default cache size: an eighth of the memory this process may use (physical
+/// memory, or its cgroup's limit when lower, as in a container), at least 64 MiB.
 pub fn default_cache_size() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let (pages, psize) = unsafe {
@@ -67,7 +68,66 @@ pub fn default_cache_size() -> u64 {
     } else {
         1 << 30
     };
-    (ram / 8).max(64 << 20)
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let usable = cgroup_memory_limit(&read).map_or(ram, |l| l.min(ram));
+    (usable / 8).max(64 << 20)
+}
+
+/// The memory limit of this process's cgroup (and its ancestors), `None` when there
+/// is none; `read` gives a file's text (/proc/self/cgroup, files under
+/// /sys/fs/cgroup). A container sees its own cgroup as the root of both.
+fn cgroup_memory_limit(read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
+    // Limits this large mean none (cgroup v1 writes "no limit" as about 2^63).
+    let real = |v: u64| (v < 1 << 60).then_some(v);
+    let own = read("/proc/self/cgroup")?;
+    // The cgroup's path, then each ancestor's, up to the root ("").
+    let chain = |path: &str| {
+        let mut p = path.trim_end_matches('/').to_string();
+        let mut v = vec![p.clone()];
+        while let Some(i) = p.rfind('/') {
+            p.truncate(i);
+            v.push(p.clone());
+        }
+        v
+    };
+    let mut limit: Option<u64> = None;
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(id), Some(ctrls), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let found = if id == "0" && ctrls.is_empty() {
+            // cgroup v2: every ancestor's memory.max applies.
+            chain(path)
+                .iter()
+                .filter_map(|p| read(&format!("/sys/fs/cgroup{p}/memory.max")))
+                .filter_map(|t| real(t.trim().parse().ok()?))
+                .min()
+        } else if ctrls.split(',').any(|c| c == "memory") {
+            // cgroup v1: memory.stat has the limit its ancestors give (the first
+            // directory of the chain that exists: a container may see only its own).
+            chain(path)
+                .iter()
+                .find_map(|p| read(&format!("/sys/fs/cgroup/memory{p}/memory.stat")))
+                .and_then(|t| {
+                    t.lines().find_map(|l| {
+                        real(
+                            l.strip_prefix("hierarchical_memory_limit ")?
+                                .trim()
+                                .parse()
+                                .ok()?,
+                        )
+                    })
+                })
+        } else {
+            None
+        };
+        limit = match (limit, found) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    limit
 }
 
 impl CacheOptions {
@@ -587,6 +647,57 @@ impl PageCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cgroup memory limit is found for v2 (the lowest on the way up, "max" none),
+    /// for v1 (memory.stat's hierarchical limit, at the first directory that exists),
+    /// and is none without one.
+    #[test]
+    fn the_cgroup_memory_limit_is_read_for_v1_and_v2() {
+        use std::collections::HashMap;
+        let fake = |files: &[(&str, &str)]| {
+            let m: HashMap<String, String> = files
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            move |p: &str| m.get(p).cloned()
+        };
+        let v2 = fake(&[
+            ("/proc/self/cgroup", "0::/a/b\n"),
+            ("/sys/fs/cgroup/a/b/memory.max", "max\n"),
+            ("/sys/fs/cgroup/a/memory.max", "536870912\n"),
+            ("/sys/fs/cgroup/memory.max", "1073741824\n"),
+        ]);
+        assert_eq!(cgroup_memory_limit(&v2), Some(512 << 20));
+        let v2_none = fake(&[
+            ("/proc/self/cgroup", "0::/\n"),
+            ("/sys/fs/cgroup/memory.max", "max\n"),
+        ]);
+        assert_eq!(cgroup_memory_limit(&v2_none), None);
+        let v1 = fake(&[
+            (
+                "/proc/self/cgroup",
+                "5:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/memory.stat",
+                "cache 0\nhierarchical_memory_limit 268435456\n",
+            ),
+        ]);
+        assert_eq!(
+            cgroup_memory_limit(&v1),
+            Some(256 << 20),
+            "a container's view"
+        );
+        let v1_none = fake(&[
+            ("/proc/self/cgroup", "4:memory:/p\n"),
+            (
+                "/sys/fs/cgroup/memory/p/memory.stat",
+                "hierarchical_memory_limit 9223372036854771712\n",
+            ),
+        ]);
+        assert_eq!(cgroup_memory_limit(&v1_none), None);
+        assert_eq!(cgroup_memory_limit(&fake(&[])), None, "no /proc");
+    }
 
     fn cache(size: u64) -> PageCache {
         PageCache::new(CacheOptions {
