@@ -45,8 +45,11 @@ use crate::format::{
 use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
 
-/// Nodes kept in the cache before clean ones are dropped.
-const CACHE_NODES: usize = 32768;
+/// Nodes kept in the cache before clean ones are dropped, for `usable` bytes of memory
+/// (see [`crate::cache::usable_memory`]): a sixteenth of it, from 1,024 to 32,768 nodes.
+fn cache_nodes(usable: u64, node_size: u32) -> usize {
+    (usable / 16 / u64::from(node_size.max(4096))).clamp(1024, 32768) as usize
+}
 
 /// Snapshot tree ids stay below this (they are part of inode numbers seen through FUSE).
 pub(crate) const MAX_SNAPSHOT_ID: u64 = 1 << 23;
@@ -59,6 +62,8 @@ pub(crate) struct Store {
     /// Generation of the running transaction.
     pub(crate) generation: u64,
     cache: HashMap<u64, Arc<Node>>,
+    /// Nodes `cache` holds before clean leaves are dropped.
+    cache_cap: usize,
     dirty: BTreeSet<u64>,
     pub(crate) alloc: Allocator,
     refs: crate::refs::DelayedRefs,
@@ -208,6 +213,7 @@ impl Store {
     }
 
     fn with(dev: Arc<dyn BlockDev>, sb: Superblock, alloc: Allocator, generation: u64) -> Store {
+        let cache_cap = cache_nodes(crate::cache::usable_memory(), sb.node_size);
         Store {
             dev,
             stats: Arc::new(Stats::default()),
@@ -215,6 +221,7 @@ impl Store {
             durable_gen: sb.generation,
             sb,
             generation,
+            cache_cap,
             cache: HashMap::new(),
             dirty: BTreeSet::new(),
             alloc,
@@ -1043,7 +1050,7 @@ impl Store {
     }
 
     fn evict_clean(&mut self) {
-        if self.cache.len() <= CACHE_NODES {
+        if self.cache.len() <= self.cache_cap {
             return;
         }
         let durable = self.durable_gen;
@@ -1075,7 +1082,7 @@ impl NodeStore for Store {
             tracing::error!("{e}");
         })?;
         let n = Arc::new(Node { hdr, body });
-        if self.cache.len() > CACHE_NODES {
+        if self.cache.len() > self.cache_cap {
             self.evict_clean();
         }
         self.cache.insert(addr, n.clone());
@@ -1157,6 +1164,16 @@ impl NodeStore for Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The node cache takes a sixteenth of usable memory: 4,096 nodes of 16 KiB in a
+    /// 1 GiB container, never fewer than 1,024 nor more than 32,768.
+    #[test]
+    fn the_node_cache_scales_with_memory() {
+        assert_eq!(cache_nodes(1 << 30, 16384), 4096);
+        assert_eq!(cache_nodes(64 << 20, 16384), 1024);
+        assert_eq!(cache_nodes(24 << 30, 16384), 32768);
+        assert_eq!(cache_nodes(1 << 30, 65536), 1024);
+    }
 
     #[test]
     fn the_log_area_grows_with_the_device_and_never_covers_a_superblock_copy() {

@@ -53,9 +53,15 @@ impl Default for CacheOptions {
     }
 }
 
-/// The default cache size: an eighth of the memory this process may use (physical
-/// memory, or its cgroup's limit when lower, as in a container), at least 64 MiB.
+/// The default cache size: an eighth of the memory this process may use, at least
+/// 64 MiB.
 pub fn default_cache_size() -> u64 {
+    (usable_memory() / 8).max(64 << 20)
+}
+
+/// The memory this process may use: physical memory, or its cgroup's limit when
+/// lower (as in a container).
+pub(crate) fn usable_memory() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let (pages, psize) = unsafe {
         (
@@ -69,8 +75,7 @@ pub fn default_cache_size() -> u64 {
         1 << 30
     };
     let read = |p: &str| std::fs::read_to_string(p).ok();
-    let usable = cgroup_memory_limit(&read).map_or(ram, |l| l.min(ram));
-    (usable / 8).max(64 << 20)
+    cgroup_memory_limit(&read).map_or(ram, |l| l.min(ram))
 }
 
 /// The memory limit of this process's cgroup (and its ancestors), `None` when there
