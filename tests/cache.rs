@@ -182,19 +182,23 @@ fn cache_mount_options_are_checked() {
 }
 
 /// A daemon started in a memory cgroup (a container's, say) sizes its default cache
-/// from the cgroup's limit, not from the machine's memory. Needs root and a cgroup v1
-/// memory hierarchy (as on the benchmark machine); skipped without them.
+/// from the cgroup's limit, not from the machine's memory, and so writes a file
+/// eight times its limit without being OOM-killed (an eighth of RAM as the cache
+/// was: killed at about 2 GiB of a 256 MiB cgroup on the benchmark machine). Needs
+/// root and a cgroup v1 memory hierarchy (as on the benchmark machine); skipped
+/// without them.
 #[test]
-fn the_default_cache_is_an_eighth_of_the_cgroup_memory_limit() {
+fn a_daemon_in_a_256mib_cgroup_sizes_its_cache_to_fit_and_writes_2gib() {
+    const CHUNKS: u64 = 2048;
     let root = Path::new("/sys/fs/cgroup/memory");
     let cg = root.join(format!("birchfs-test-{}", std::process::id()));
     if !root.join("cgroup.procs").exists() || fs::create_dir(&cg).is_err() {
         eprintln!("note: no writable cgroup v1 memory hierarchy here; skipped");
         return;
     }
-    let limit: u64 = 1 << 30;
+    let limit: u64 = 256 << 20;
     fs::write(cg.join("memory.limit_in_bytes"), limit.to_string()).unwrap();
-    let m = Mount::unmounted("1G");
+    let m = Mount::unmounted("4G");
     // The mount command joins the cgroup first; its daemon inherits it.
     let out = run(
         std::process::Command::new("sh")
@@ -207,22 +211,63 @@ fn the_default_cache_is_an_eighth_of_the_cgroup_memory_limit() {
             .arg(m.root()),
         std::time::Duration::from_secs(60),
     );
-    let limit_seen = daemon_stats(&m)["cache"]["limit"].as_u64();
+    let written = out.status.success().then(|| {
+        let limit_seen = daemon_stats(&m)["cache"]["limit"].as_u64();
+        let base: Vec<u8> = (0..MIB as u64).map(|i| (i * 7 + 3) as u8).collect();
+        let mut buf = vec![0u8; MIB];
+        let r = (|| {
+            let mut f = File::create(m.path("big"))?;
+            for i in 0..CHUNKS {
+                chunk(&base, i, &mut buf);
+                f.write_all(&buf)?;
+            }
+            f.sync_all()
+        })();
+        (limit_seen, r)
+    });
+    let ooms = fs::read_to_string(cg.join("memory.oom_control")).unwrap_or_default();
     let down = run(
         std::process::Command::new(BIN).arg("umount").arg(m.root()),
         std::time::Duration::from_secs(60),
     );
+    if !down.status.success() {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(m.root())
+            .status();
+    }
     let _ = fs::remove_dir(&cg);
     assert!(out.status.success(), "mount:\n{}", describe(&out));
+    let (limit_seen, r) = written.unwrap();
+    assert!(
+        ooms.contains("oom_kill 0"),
+        "the daemon was OOM-killed:\n{ooms}"
+    );
+    r.expect("writing 2 GiB in a 256 MiB cgroup");
     assert!(down.status.success(), "umount:\n{}", describe(&down));
-    assert_eq!(limit_seen, Some(limit / 8), "cache limit in a 1 GiB cgroup");
-    // Outside the cgroup the default is larger on any machine with over 1 GiB.
+    // An eighth of 256 MiB is below the 64 MiB floor.
+    assert_eq!(
+        limit_seen,
+        Some(64 << 20),
+        "cache limit in a 256 MiB cgroup"
+    );
+    // Outside the cgroup: an eighth of RAM, and the file is whole.
     let mut m = m;
     m.mount();
     let ram = fs::read_to_string("/proc/meminfo").unwrap();
     let kib: u64 = ram.split_whitespace().nth(1).unwrap().parse().unwrap();
     let want = (kib * 1024 / 8).max(64 << 20);
     assert_eq!(daemon_stats(&m)["cache"]["limit"].as_u64(), Some(want));
+    drop_kernel_caches();
+    let base: Vec<u8> = (0..MIB as u64).map(|i| (i * 7 + 3) as u8).collect();
+    let (mut got, mut want) = (vec![0u8; MIB], vec![0u8; MIB]);
+    let mut f = File::open(m.path("big")).unwrap();
+    for i in 0..CHUNKS {
+        f.read_exact(&mut got).unwrap();
+        chunk(&base, i, &mut want);
+        assert!(got == want, "MiB {i} differs");
+    }
+    drop(f);
     m.unmount();
 }
 
