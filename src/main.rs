@@ -43,6 +43,9 @@ enum Cmd {
         /// blocks now and not during fsyncs later (image files only)
         #[arg(long)]
         preallocate: bool,
+        /// Owner of the root directory, as UID:GID; default: the user running mkfs
+        #[arg(long, value_name = "UID:GID")]
+        root_owner: Option<String>,
         /// Image file or block device
         image: PathBuf,
     },
@@ -262,11 +265,18 @@ fn preallocate(dev: &FileDev, image: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `UID:GID` as numbers.
+fn parse_owner(s: &str) -> Result<(u32, u32)> {
+    let bad = || anyhow!("bad owner '{s}' (use UID:GID, e.g. 1000:1000)");
+    let (u, g) = s.split_once(':').ok_or_else(bad)?;
+    Ok((u.parse().map_err(|_| bad())?, g.parse().map_err(|_| bad())?))
+}
+
 fn mkfs(
     image: &Path,
     size: Option<String>,
     force: bool,
-    node_size: Option<u32>,
+    opts: &MkfsOptions,
     prealloc: bool,
 ) -> Result<()> {
     let size = size.as_deref().map(parse_size).transpose()?;
@@ -324,8 +334,7 @@ fn mkfs(
     }
     let dev = Arc::new(dev);
     let bytes = birchfs::dev::BlockDev::size(dev.as_ref());
-    Fs::mkfs(dev, &MkfsOptions { node_size })
-        .with_context(|| format!("mkfs on {} failed", image.display()))?;
+    Fs::mkfs(dev, opts).with_context(|| format!("mkfs on {} failed", image.display()))?;
     println!(
         "created birchfs on {} ({} MiB)",
         image.display(),
@@ -1029,10 +1038,20 @@ fn run() -> Result<ExitCode> {
             force,
             node_size,
             preallocate,
+            root_owner,
             image,
         } => {
             init_logging(None)?;
-            mkfs(&image, size, force, node_size, preallocate)?;
+            let root_owner = match root_owner {
+                Some(o) => parse_owner(&o)?,
+                // SAFETY: geteuid and getegid have no preconditions.
+                None => unsafe { (libc::geteuid(), libc::getegid()) },
+            };
+            let opts = MkfsOptions {
+                node_size,
+                root_owner,
+            };
+            mkfs(&image, size, force, &opts, preallocate)?;
         }
         Cmd::Mount {
             options,

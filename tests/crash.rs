@@ -363,6 +363,7 @@ fn base_image() -> Vec<u8> {
         dev.clone(),
         &MkfsOptions {
             node_size: Some(4096),
+            ..Default::default()
         },
     )
     .unwrap();

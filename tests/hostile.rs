@@ -20,6 +20,7 @@ fn seed_image() -> Vec<u8> {
         dev.clone(),
         &MkfsOptions {
             node_size: Some(4096),
+            ..Default::default()
         },
     )
     .unwrap();

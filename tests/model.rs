@@ -468,6 +468,7 @@ fn run_with(ops: &[Op], opts: Options) {
         base.clone(),
         &MkfsOptions {
             node_size: Some(4096),
+            ..Default::default()
         },
     )
     .unwrap();

@@ -3558,6 +3558,60 @@ fn read_only_mount_refuses_writes() {
     m.unmount();
 }
 
+/// The root directory belongs to whoever ran mkfs (as mke2fs does), so a user who
+/// makes and mounts an image can write to it; `--root-owner` names another owner.
+#[test]
+fn mkfs_gives_the_root_directory_to_the_user_who_ran_it() {
+    let mut m = Mount::bare();
+    let out = m.mkfs(&["--size", "256M", "--root-owner", "1234:5678"]);
+    assert!(out.status.success(), "mkfs:\n{}", describe(&out));
+    for bad in ["1234", "a:b", "1:2:3", ":5"] {
+        let out = m.mkfs(&["--force", "--root-owner", bad]);
+        assert!(!out.status.success(), "--root-owner {bad} was taken");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("bad owner"),
+            "{}",
+            describe(&out)
+        );
+    }
+    m.mount();
+    let st = stat(m.root());
+    assert_eq!((st.uid(), st.gid()), (1234, 5678));
+    assert_eq!(perm(st.mode()), 0o755);
+    assert!(st.is_dir());
+    m.unmount();
+    // Run by root without the option: root's.
+    let out = m.mkfs(&["--force"]);
+    assert!(out.status.success(), "mkfs:\n{}", describe(&out));
+    m.mount();
+    assert_eq!((stat(m.root()).uid(), stat(m.root()).gid()), (0, 0));
+    m.unmount();
+    // Run by another user: theirs.
+    let dir = m.host_dir().join("u");
+    fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    fs::set_permissions(m.host_dir(), fs::Permissions::from_mode(0o755)).unwrap();
+    let img = dir.join("img");
+    let out = run(
+        Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                BIN,
+                "mkfs",
+            ])
+            .args(["--size", "256M"])
+            .arg(&img),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "mkfs as nobody:\n{}", describe(&out));
+    fs::rename(&img, m.image()).unwrap();
+    m.mount();
+    assert_eq!((stat(m.root()).uid(), stat(m.root()).gid()), (65534, 65534));
+    m.unmount();
+}
+
 #[test]
 fn mkfs_of_a_mounted_image_changes_nothing() {
     let mut m = Mount::new();

@@ -12,7 +12,7 @@ fn base() -> &'static Vec<u8> {
     static IMG: OnceLock<Vec<u8>> = OnceLock::new();
     IMG.get_or_init(|| {
         let dev = Arc::new(MemDev::new(32 << 20));
-        Fs::mkfs(dev.clone(), &MkfsOptions { node_size: Some(4096) }).unwrap();
+        Fs::mkfs(dev.clone(), &MkfsOptions { node_size: Some(4096), ..Default::default() }).unwrap();
         let fs = Fs::open(dev.clone(), Options::default()).unwrap();
         for i in 0..40 {
             let f = fs.mknod(ROOT_INO, format!("f{i}").as_bytes(), 0o644, 0, Creds::default()).unwrap();

@@ -11,7 +11,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let dev = Arc::new(MemDev::new(32 << 20));
-    Fs::mkfs(dev.clone(), &MkfsOptions { node_size: Some(4096) }).unwrap();
+    Fs::mkfs(dev.clone(), &MkfsOptions { node_size: Some(4096), ..Default::default() }).unwrap();
     let mut fs = Fs::open(dev.clone(), Options::default()).unwrap();
     let mut model: BTreeMap<u8, Vec<u8>> = BTreeMap::new();
     for op in data.chunks_exact(3) {

@@ -357,8 +357,8 @@ impl Inner {
         }
     }
 
-    pub(crate) fn make_root_dir(&mut self) -> Result<()> {
-        let mut item = self.fresh_inode(libc::S_IFDIR | 0o755, 0, 0, 0);
+    pub(crate) fn make_root_dir(&mut self, (uid, gid): (u32, u32)) -> Result<()> {
+        let mut item = self.fresh_inode(libc::S_IFDIR | 0o755, 0, uid, gid);
         self.put_inode(objectid::ROOT_DIR, &mut item)
     }
 

@@ -60,6 +60,8 @@ impl Default for Options {
 pub struct MkfsOptions {
     /// B-tree node size; 16 KiB when `None`.
     pub node_size: Option<u32>,
+    /// Owner (uid, gid) of the root directory: (0, 0) by default.
+    pub root_owner: (u32, u32),
 }
 
 /// One entry returned by `readdir`.
@@ -264,7 +266,7 @@ impl Fs {
                 ..Default::default()
             })),
         };
-        inner.make_root_dir()?;
+        inner.make_root_dir(opts.root_owner)?;
         let batch = inner.store.prepare_commit(false)?;
         Store::write_commit(dev.as_ref(), &inner.store.stats, &batch)?;
         Ok(())

@@ -573,6 +573,7 @@ fn small_nodes_refuse_items_they_cannot_hold() {
         dev.clone(),
         &MkfsOptions {
             node_size: Some(4096),
+            ..Default::default()
         },
     )
     .unwrap();

@@ -168,6 +168,7 @@ fn fsyncs_answered_by_the_group_commit_survive_a_power_cut_at_any_moment() {
         base.clone(),
         &MkfsOptions {
             node_size: Some(4096),
+            ..Default::default()
         },
     )
     .unwrap();
