@@ -744,8 +744,16 @@ fn mount_serve(
             mountpoint.display()
         );
     }
-    let dev = open_when_free(image, !mo.fs.readonly)
-        .with_context(|| format!("cannot open {}", image.display()))?;
+    let dev = open_when_free(image, !mo.fs.readonly).map_err(|e| {
+        // A read-only image file, or one on a read-only filesystem, still mounts `ro`.
+        let hint = match e.raw_os_error() {
+            Some(libc::EACCES | libc::EROFS | libc::EPERM) if !mo.fs.readonly => {
+                " (to read it without writing, mount it with -o ro)"
+            }
+            _ => "",
+        };
+        anyhow!("cannot open {}: {e}{hint}", image.display())
+    })?;
     let fs = Arc::new(
         Fs::open(Arc::new(dev), mo.fs.clone())
             .with_context(|| format!("cannot mount {}", image.display()))?,

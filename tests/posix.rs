@@ -3513,6 +3513,44 @@ fn mkfs_refuses_an_existing_image_without_force() {
     m.unmount();
 }
 
+/// A mount of an image its user may not write fails with a message that names the
+/// reason and points to `-o ro`, before anything is mounted.
+#[test]
+fn mounting_an_unwritable_image_says_why_and_suggests_ro() {
+    let m = Mount::unmounted("256M");
+    let dir = m.host_dir().join("u");
+    fs::create_dir(&dir).unwrap();
+    fs::set_permissions(m.host_dir(), fs::Permissions::from_mode(0o755)).unwrap();
+    let (img, mnt) = (dir.join("img"), dir.join("mnt"));
+    fs::copy(m.image(), &img).unwrap();
+    fs::create_dir(&mnt).unwrap();
+    for p in [&dir, &img, &mnt] {
+        std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
+    }
+    fs::set_permissions(&img, fs::Permissions::from_mode(0o444)).unwrap();
+    let out = run(
+        Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                BIN,
+                "mount",
+            ])
+            .arg(&img)
+            .arg(&mnt),
+        Duration::from_secs(60),
+    );
+    assert!(!is_mounted_at(&mnt), "mounted anyway");
+    assert!(!out.status.success(), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Permission denied") && err.contains("-o ro"),
+        "{}",
+        describe(&out)
+    );
+}
+
 #[test]
 fn read_only_mount_refuses_writes() {
     let mut m = Mount::new();
