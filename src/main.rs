@@ -844,6 +844,14 @@ fn mount_serve(
             }
         })?;
     }
+    // Shrinks the page cache while the system is short of memory, and lets it grow
+    // back after.
+    spawn_while_mounted("memory", &fs, SECOND, |fs| {
+        if let Err(e) = fs.relieve_memory(birchfs::memory_short()) {
+            tracing::error!("writeback under memory pressure failed: {e}");
+        }
+        SECOND
+    })?;
     // Read the next windows of sequential readers while they take this one: three, so
     // that windows' device reads overlap each other and the others' checksums (a
     // direct-read stream, answered without the kernel's copy, went from 2.5 to

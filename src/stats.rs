@@ -46,6 +46,8 @@ pub struct Stats {
     pub log_commits: AtomicU64,
     /// fsyncs the log could not serve, done as full commits.
     pub fallbacks: AtomicU64,
+    /// Times the page cache was shrunk because the system was short of memory.
+    pub memory_squeezes: AtomicU64,
     /// Copies of tree nodes shared with a snapshot (each adds a reference per child).
     pub shared_cows: AtomicU64,
     /// FUSE requests that came through io_uring queues instead of `/dev/fuse`.
@@ -102,6 +104,7 @@ impl Stats {
             flushes: g(&self.flushes),
             log_commits: g(&self.log_commits),
             fallbacks: g(&self.fallbacks),
+            memory_squeezes: g(&self.memory_squeezes),
             shared_cows: g(&self.shared_cows),
             uring_requests: g(&self.uring_requests),
             gather_chosen: g(&self.gather_chosen),
@@ -167,6 +170,8 @@ pub struct StatsSnapshot {
     pub log_commits: u64,
     /// See [`Stats::fallbacks`].
     pub fallbacks: u64,
+    /// See [`Stats::memory_squeezes`].
+    pub memory_squeezes: u64,
     /// See [`Stats::shared_cows`].
     pub shared_cows: u64,
     /// See [`Stats::uring_requests`].
@@ -296,7 +301,7 @@ impl StatsSnapshot {
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
-                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{}}},\"flushes\":{},\"uring_requests\":{},",
+                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"gather\":{{\"chosen\":{},\"declined\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
@@ -325,6 +330,7 @@ impl StatsSnapshot {
             self.cache_bytes,
             self.cache_dirty_bytes,
             self.cache_limit,
+            self.memory_squeezes,
             self.flushes,
             self.uring_requests,
             self.gather_chosen,
@@ -427,6 +433,11 @@ impl StatsSnapshot {
             self.cache_dirty_bytes.to_string(),
         );
         row(&mut s, "page cache limit", self.cache_limit.to_string());
+        row(
+            &mut s,
+            "page cache squeezes",
+            self.memory_squeezes.to_string(),
+        );
         for (name, l) in [
             ("fsync", &self.fsync_latency),
             ("commit", &self.commit_latency),

@@ -78,6 +78,41 @@ pub(crate) fn usable_memory() -> u64 {
     cgroup_memory_limit(&read).map_or(ram, |l| l.min(ram))
 }
 
+/// Whether the system (or this process's cgroup, under cgroup v2) is short of memory:
+/// its pressure stall information shows tasks waiting for memory at least 10 % of the
+/// last 10 seconds.
+pub fn memory_short() -> bool {
+    let mut files = vec!["/proc/pressure/memory".to_string()];
+    if let Some(own) = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("0::").map(str::to_string))
+        })
+    {
+        files.push(format!(
+            "/sys/fs/cgroup{}/memory.pressure",
+            own.trim_end_matches('/')
+        ));
+    }
+    files.iter().any(|f| {
+        std::fs::read_to_string(f)
+            .ok()
+            .and_then(|t| psi_some_avg10(&t))
+            .is_some_and(|p| p >= 10.0)
+    })
+}
+
+/// The `some avg10` figure (percent) of a pressure stall information file.
+fn psi_some_avg10(text: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("some "))?
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("avg10="))?
+        .parse()
+        .ok()
+}
+
 /// The memory limit of this process's cgroup (and its ancestors), `None` when there
 /// is none; `read` gives a file's text (/proc/self/cgroup, files under
 /// /sys/fs/cgroup). A container sees its own cgroup as the root of both.
@@ -208,6 +243,9 @@ pub(crate) struct PageCache {
     /// dropped behind the writer once more than `behind_limit` bytes of them wait,
     /// unless used since (see [`PageCache::drop_behind`]).
     behind: Mutex<std::collections::VecDeque<(u64, u64, u64)>>,
+    /// A size below `cache_size` the cache keeps to while the system is short of
+    /// memory (`u64::MAX`: none); see [`PageCache::squeeze`].
+    squeeze: AtomicU64,
 }
 
 /// Buffers of evicted folios, kept for new ones, by kind.
@@ -236,7 +274,40 @@ impl PageCache {
             kick: (Mutex::new(false), Condvar::new()),
             spare: Mutex::new(Spare::default()),
             behind: Mutex::new(Default::default()),
+            squeeze: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// The size the cache keeps to now: `cache_size`, or less while squeezed.
+    pub(crate) fn size_limit(&self) -> u64 {
+        self.opts
+            .cache_size
+            .min(self.squeeze.load(Ordering::Relaxed))
+    }
+
+    /// Under memory pressure (`short`), halves what the cache may hold (down to 16
+    /// MiB, or four folios) and gives up its spare buffers; without it, doubles the
+    /// size back towards `cache_size`. Returns the size it keeps to now. The caller
+    /// writes back and evicts to reach it.
+    pub(crate) fn squeeze(&self, short: bool) -> u64 {
+        let floor = (16 << 20).max(4 * self.opts.folio_size);
+        let now = self.size_limit();
+        let next = if short {
+            (self.bytes().min(now) / 2).max(floor)
+        } else {
+            now.saturating_mul(2)
+        };
+        if next >= self.opts.cache_size {
+            self.squeeze.store(u64::MAX, Ordering::Relaxed);
+        } else {
+            self.squeeze.store(next, Ordering::Relaxed);
+        }
+        if short {
+            let mut sp = self.spare.lock();
+            sp.contiguous.clear();
+            sp.paged.clear();
+        }
+        self.size_limit()
     }
 
     /// Bytes of written-back, unused folios kept before they are dropped behind.
@@ -285,7 +356,7 @@ impl PageCache {
 
     /// Most spare buffers kept: one eviction pass's worth.
     fn spare_cap(&self) -> usize {
-        ((self.opts.cache_size / self.opts.folio_size / 8) as usize).max(4)
+        ((self.size_limit() / self.opts.folio_size / 8) as usize).max(4)
     }
 
     /// A folio buffer, reused when one is spare (and then not zeroed: a folio's
@@ -348,7 +419,7 @@ impl PageCache {
 
     /// Dirty bytes past which writers write back before returning.
     pub(crate) fn dirty_limit(&self) -> u64 {
-        self.opts.cache_size / 2
+        self.size_limit() / 2
     }
 
     /// Dirty bytes past which the flusher starts writing back: early, so a streaming
@@ -577,7 +648,7 @@ impl PageCache {
     /// Evicts clean folios nobody holds, least recently used first, when the cache
     /// is over its size; returns whether it is still over (too much is dirty).
     pub(crate) fn evict(&self) -> bool {
-        let limit = self.opts.cache_size;
+        let limit = self.size_limit();
         if self.bytes() <= limit {
             return false;
         }
@@ -652,6 +723,16 @@ impl PageCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `some avg10` is read from a pressure stall information file.
+    #[test]
+    fn psi_some_avg10_is_parsed() {
+        let t = "some avg10=12.50 avg60=3.00 avg300=0.10 total=4368969\n\
+                 full avg10=1.00 avg60=0.00 avg300=0.00 total=2456867\n";
+        assert_eq!(psi_some_avg10(t), Some(12.5));
+        assert_eq!(psi_some_avg10("full avg10=1.00\n"), None);
+        assert_eq!(psi_some_avg10(""), None);
+    }
 
     /// The cgroup memory limit is found for v2 (the lowest on the way up, "max" none),
     /// for v1 (memory.stat's hierarchical limit, at the first directory that exists),

@@ -186,6 +186,76 @@ fn the_cache_stays_within_its_size_and_reads_back_what_it_evicted() {
     assert_eq!(fs.read(ino, 0, data.len() as u32).unwrap(), data);
 }
 
+/// Memory pressure halves what the cache holds (dirty data written back, clean folios
+/// evicted, nothing lost); once it passes the cache grows back to `cache_size`.
+#[test]
+fn memory_pressure_shrinks_the_cache_and_it_grows_back_after() {
+    let o = opts(128 * MB, 64 << 10, true);
+    let (dev, fs) = mk(512 * MB, o.clone());
+    let clean = file(&fs, b"clean");
+    let dirty = file(&fs, b"dirty");
+    let (a, b) = (pattern(40 * MB as usize, 1), pattern(40 * MB as usize, 2));
+    fs.write(clean, 0, &a).unwrap();
+    fs.fsync(clean, false).unwrap();
+    // Read back out of order (a stream's folios would drop behind): cached clean.
+    for i in (0..40).rev() {
+        let got = fs.read(clean, i * MB, MB as u32).unwrap();
+        assert!(got == a[(i * MB) as usize..((i + 1) * MB) as usize]);
+    }
+    fs.write(dirty, 0, &b).unwrap();
+    let before = fs.stats();
+    assert!(before.cache_bytes >= 72 * MB, "{}", before.cache_bytes);
+    assert!(
+        before.cache_dirty_bytes >= 32 * MB,
+        "{}",
+        before.cache_dirty_bytes
+    );
+    fs.relieve_memory(true).unwrap();
+    let s = fs.stats();
+    assert!(
+        s.cache_bytes <= before.cache_bytes / 2,
+        "{} of {}",
+        s.cache_bytes,
+        before.cache_bytes
+    );
+    assert!(
+        s.cache_dirty_bytes <= s.cache_bytes / 2 + MB,
+        "dirty {}",
+        s.cache_dirty_bytes
+    );
+    assert_eq!(s.memory_squeezes, 1);
+    // Writes while squeezed keep to the smaller size.
+    let limit = fs.cache.size_limit();
+    assert!(limit < 128 * MB);
+    fs.write(dirty, 40 * MB, &a[..8 * MB as usize]).unwrap();
+    assert!(
+        fs.stats().cache_bytes <= limit + MB,
+        "{}",
+        fs.stats().cache_bytes
+    );
+    // Pressure again: halves again, not below 16 MiB.
+    for _ in 0..8 {
+        fs.relieve_memory(true).unwrap();
+    }
+    assert_eq!(fs.cache.size_limit(), 16 * MB);
+    assert!(fs.stats().cache_bytes <= 16 * MB);
+    // No pressure: back to cache_size, doubling per call.
+    fs.relieve_memory(false).unwrap();
+    assert_eq!(fs.cache.size_limit(), 32 * MB);
+    for _ in 0..4 {
+        fs.relieve_memory(false).unwrap();
+    }
+    assert_eq!(fs.cache.size_limit(), 128 * MB);
+    assert_eq!(fs.stats().memory_squeezes, 9);
+    assert_eq!(fs.read(clean, 0, a.len() as u32).unwrap(), a);
+    let fs = remount(&dev, fs, o);
+    assert_eq!(fs.read(dirty, 0, b.len() as u32).unwrap(), b);
+    assert_eq!(
+        fs.read(dirty, 40 * MB, 8 * MB as u32).unwrap(),
+        &a[..8 * MB as usize]
+    );
+}
+
 #[test]
 fn the_dirty_limit_makes_writers_write_back() {
     let o = opts(2 * MB, 16 << 10, true);

@@ -856,6 +856,34 @@ impl Fs {
         Ok(())
     }
 
+    /// Under memory pressure (`short`), halves what the page cache may hold: writes
+    /// back the oldest dirty files past the lower dirty limit and evicts clean folios;
+    /// without it, lets the cache grow back, doubling per call, to `cache_size`.
+    /// Servers call it about once a second with [`crate::cache::memory_short`].
+    pub fn relieve_memory(&self, short: bool) -> Result<()> {
+        let cache = &self.cache;
+        if !short && cache.size_limit() >= cache.opts().cache_size {
+            return Ok(());
+        }
+        let limit = cache.squeeze(short);
+        if !short {
+            return Ok(());
+        }
+        Stats::add(&self.stats.memory_squeezes, 1);
+        tracing::info!(
+            "memory is short: the page cache keeps to {} MiB",
+            limit >> 20
+        );
+        for (ino, _) in cache.dirty_inodes() {
+            if cache.dirty_bytes() <= cache.dirty_limit() {
+                break;
+            }
+            self.writeback(ino, u64::MAX)?;
+        }
+        cache.evict();
+        Ok(())
+    }
+
     /// Before a change of `ino`'s blocks in the tree (truncate, hole punch,
     /// preallocation), with the file and writeback locks held: drops the cached folios
     /// from index `drop_from` on without writing them, writes back the rest, then
