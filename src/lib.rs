@@ -28,7 +28,7 @@ pub mod skiplist;
 mod stats;
 mod txn;
 
-pub use cache::{default_cache_size, memory_short, CacheOptions};
+pub use cache::{default_cache_size, CacheOptions, MemoryPressure};
 pub use error::{Error, Result};
 pub use fs::{
     is_snapshot_ino, Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions,

@@ -846,8 +846,9 @@ fn mount_serve(
     }
     // Shrinks the page cache while the system is short of memory, and lets it grow
     // back after.
-    spawn_while_mounted("memory", &fs, SECOND, |fs| {
-        if let Err(e) = fs.relieve_memory(birchfs::memory_short()) {
+    let mut pressure = birchfs::MemoryPressure::new();
+    spawn_while_mounted("memory", &fs, SECOND, move |fs| {
+        if let Err(e) = fs.relieve_memory(pressure.short()) {
             tracing::error!("writeback under memory pressure failed: {e}");
         }
         SECOND

@@ -46,7 +46,7 @@ pub struct Stats {
     pub log_commits: AtomicU64,
     /// fsyncs the log could not serve, done as full commits.
     pub fallbacks: AtomicU64,
-    /// Times the page cache was shrunk because the system was short of memory.
+    /// Times memory pressure lowered the size the page cache keeps to.
     pub memory_squeezes: AtomicU64,
     /// Copies of tree nodes shared with a snapshot (each adds a reference per child).
     pub shared_cows: AtomicU64,
@@ -156,7 +156,8 @@ pub struct StatsSnapshot {
     pub cache_bytes: u64,
     /// Bytes of dirty blocks in the page cache now (a gauge).
     pub cache_dirty_bytes: u64,
-    /// The page cache's size limit (`cache_size=`).
+    /// The size the page cache keeps to now (`cache_size=`, or less while memory is
+    /// short).
     pub cache_limit: u64,
     /// See [`Stats::dev_meta_bytes`].
     pub dev_meta_bytes: u64,

@@ -46,9 +46,9 @@ use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
 
 /// Nodes kept in the cache before clean ones are dropped, for `usable` bytes of memory
-/// (see [`crate::cache::usable_memory`]): a sixteenth of it, from 1,024 to 32,768 nodes.
+/// (see [`crate::cache::usable_memory`]): a sixteenth of it, from 256 to 32,768 nodes.
 fn cache_nodes(usable: u64, node_size: u32) -> usize {
-    (usable / 16 / u64::from(node_size.max(4096))).clamp(1024, 32768) as usize
+    (usable / 16 / u64::from(node_size.max(4096))).clamp(256, 32768) as usize
 }
 
 /// Snapshot tree ids stay below this (they are part of inode numbers seen through FUSE).
@@ -1166,13 +1166,15 @@ mod tests {
     use super::*;
 
     /// The node cache takes a sixteenth of usable memory: 4,096 nodes of 16 KiB in a
-    /// 1 GiB container, never fewer than 1,024 nor more than 32,768.
+    /// 1 GiB container, never fewer than 256 nor more than 32,768.
     #[test]
     fn the_node_cache_scales_with_memory() {
         assert_eq!(cache_nodes(1 << 30, 16384), 4096);
-        assert_eq!(cache_nodes(64 << 20, 16384), 1024);
+        assert_eq!(cache_nodes(64 << 20, 16384), 256);
+        assert_eq!(cache_nodes(256 << 20, 16384), 1024);
         assert_eq!(cache_nodes(24 << 30, 16384), 32768);
         assert_eq!(cache_nodes(1 << 30, 65536), 1024);
+        assert_eq!(cache_nodes(1 << 30, 4096), 16384);
     }
 
     #[test]

@@ -148,8 +148,28 @@ pub(crate) fn alloc(len: usize) -> Option<NonNull<u8>> {
     NonNull::new(p)
 }
 
+/// Whether a freed slot's pages go back to the system at once (while memory is short:
+/// see [`release_freed`]), not only with its whole chunk.
+static RELEASE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes freed slots give their pages back to the system at once (`on`), or keep them
+/// until their chunk is empty (the default: a reused slot then costs no page faults).
+pub(crate) fn release_freed(on: bool) {
+    RELEASE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Returns a slot that [`alloc`] gave for `len` bytes.
 pub(crate) fn free(p: NonNull<u8>, len: usize) {
+    free_with(p, len, RELEASE.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// [`free`], giving the slot's pages back to the system first when `release`.
+fn free_with(p: NonNull<u8>, len: usize, release: bool) {
+    if release {
+        // SAFETY: the slot is still this caller's alone (it is listed free below), so
+        // dropping its pages (they read as zeros after) disturbs no one.
+        unsafe { libc::madvise(p.as_ptr().cast(), len, libc::MADV_DONTNEED) };
+    }
     let addr = p.as_ptr() as usize;
     let base = addr & !(CHUNK - 1);
     let mut g = CLASSES.lock();
@@ -228,6 +248,46 @@ mod tests {
             free(p, len);
         }
         assert_eq!(chunks(len), 0, "empty chunks were not unmapped");
+    }
+
+    /// Whether every page of `len` bytes at `p` is resident.
+    fn resident(p: NonNull<u8>, len: usize) -> bool {
+        let mut v = vec![0u8; len / 4096];
+        // SAFETY: `p` is page aligned and `len` bytes of a live mapping; `v` has one
+        // byte per page.
+        let rc = unsafe { libc::mincore(p.as_ptr().cast(), len, v.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        v.iter().all(|b| b & 1 == 1)
+    }
+
+    /// A slot freed with `release` gives its pages back at once though its chunk stays;
+    /// without, they stay for the slot's next user.
+    #[test]
+    fn a_released_slot_gives_its_pages_back_while_its_chunk_stays() {
+        let len = 28 << 10; // a size of this test's own
+        let ps: Vec<NonNull<u8>> = (0..3).map(|_| alloc(len).unwrap()).collect();
+        for p in &ps {
+            // SAFETY: each slot is `len` bytes, ours.
+            unsafe { std::ptr::write_bytes(p.as_ptr(), 0xA5, len) };
+            assert!(resident(*p, len));
+        }
+        free_with(ps[0], len, false);
+        assert!(resident(ps[0], len), "kept without release");
+        free_with(ps[1], len, true);
+        assert!(!resident(ps[1], len), "released");
+        assert!(resident(ps[2], len), "a live slot keeps its pages");
+        assert_eq!(chunks(len), 1);
+        // Reused, a released slot reads as zeros like any other.
+        let again: Vec<NonNull<u8>> = (0..2).map(|_| alloc(len).unwrap()).collect();
+        for p in &again {
+            // SAFETY: `len` bytes, ours.
+            let b = unsafe { std::slice::from_raw_parts(p.as_ptr(), len) };
+            assert!(b.iter().all(|&x| x == 0));
+        }
+        for p in again.into_iter().chain([ps[2]]) {
+            free(p, len);
+        }
+        assert_eq!(chunks(len), 0);
     }
 
     #[test]

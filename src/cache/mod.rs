@@ -2,9 +2,11 @@
 
 mod arena;
 mod folio;
+mod memory;
 mod page_cache;
 
 pub(crate) use folio::Folio;
-pub(crate) use page_cache::usable_memory;
-pub use page_cache::{default_cache_size, memory_short, CacheOptions};
+pub(crate) use memory::usable_memory;
+pub use memory::MemoryPressure;
+pub use page_cache::{default_cache_size, CacheOptions};
 pub(crate) use page_cache::{CachedFolio, PageCache};

@@ -54,120 +54,10 @@ impl Default for CacheOptions {
 }
 
 /// The default cache size: an eighth of the memory this process may use, at least
-/// 64 MiB.
+/// 64 MiB (or a quarter of that memory, when that is less).
 pub fn default_cache_size() -> u64 {
-    (usable_memory() / 8).max(64 << 20)
-}
-
-/// The memory this process may use: physical memory, or its cgroup's limit when
-/// lower (as in a container).
-pub(crate) fn usable_memory() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let (pages, psize) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    let ram = if pages > 0 && psize > 0 {
-        pages as u64 * psize as u64
-    } else {
-        1 << 30
-    };
-    let read = |p: &str| std::fs::read_to_string(p).ok();
-    cgroup_memory_limit(&read).map_or(ram, |l| l.min(ram))
-}
-
-/// Whether the system (or this process's cgroup, under cgroup v2) is short of memory:
-/// its pressure stall information shows tasks waiting for memory at least 10 % of the
-/// last 10 seconds.
-pub fn memory_short() -> bool {
-    let mut files = vec!["/proc/pressure/memory".to_string()];
-    if let Some(own) = std::fs::read_to_string("/proc/self/cgroup")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("0::").map(str::to_string))
-        })
-    {
-        files.push(format!(
-            "/sys/fs/cgroup{}/memory.pressure",
-            own.trim_end_matches('/')
-        ));
-    }
-    files.iter().any(|f| {
-        std::fs::read_to_string(f)
-            .ok()
-            .and_then(|t| psi_some_avg10(&t))
-            .is_some_and(|p| p >= 10.0)
-    })
-}
-
-/// The `some avg10` figure (percent) of a pressure stall information file.
-fn psi_some_avg10(text: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix("some "))?
-        .split_whitespace()
-        .find_map(|f| f.strip_prefix("avg10="))?
-        .parse()
-        .ok()
-}
-
-/// The memory limit of this process's cgroup (and its ancestors), `None` when there
-/// is none; `read` gives a file's text (/proc/self/cgroup, files under
-/// /sys/fs/cgroup). A container sees its own cgroup as the root of both.
-fn cgroup_memory_limit(read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
-    // Limits this large mean none (cgroup v1 writes "no limit" as about 2^63).
-    let real = |v: u64| (v < 1 << 60).then_some(v);
-    let own = read("/proc/self/cgroup")?;
-    // The cgroup's path, then each ancestor's, up to the root ("").
-    let chain = |path: &str| {
-        let mut p = path.trim_end_matches('/').to_string();
-        let mut v = vec![p.clone()];
-        while let Some(i) = p.rfind('/') {
-            p.truncate(i);
-            v.push(p.clone());
-        }
-        v
-    };
-    let mut limit: Option<u64> = None;
-    for line in own.lines() {
-        let mut f = line.splitn(3, ':');
-        let (Some(id), Some(ctrls), Some(path)) = (f.next(), f.next(), f.next()) else {
-            continue;
-        };
-        let found = if id == "0" && ctrls.is_empty() {
-            // cgroup v2: every ancestor's memory.max applies.
-            chain(path)
-                .iter()
-                .filter_map(|p| read(&format!("/sys/fs/cgroup{p}/memory.max")))
-                .filter_map(|t| real(t.trim().parse().ok()?))
-                .min()
-        } else if ctrls.split(',').any(|c| c == "memory") {
-            // cgroup v1: memory.stat has the limit its ancestors give (the first
-            // directory of the chain that exists: a container may see only its own).
-            chain(path)
-                .iter()
-                .find_map(|p| read(&format!("/sys/fs/cgroup/memory{p}/memory.stat")))
-                .and_then(|t| {
-                    t.lines().find_map(|l| {
-                        real(
-                            l.strip_prefix("hierarchical_memory_limit ")?
-                                .trim()
-                                .parse()
-                                .ok()?,
-                        )
-                    })
-                })
-        } else {
-            None
-        };
-        limit = match (limit, found) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-    }
-    limit
+    let usable = super::memory::usable_memory();
+    (usable / 8).max((64 << 20).min(usable / 4))
 }
 
 impl CacheOptions {
@@ -285,23 +175,22 @@ impl PageCache {
             .min(self.squeeze.load(Ordering::Relaxed))
     }
 
-    /// Under memory pressure (`short`), halves what the cache may hold (down to 16
-    /// MiB, or four folios) and gives up its spare buffers; without it, doubles the
-    /// size back towards `cache_size`. Returns the size it keeps to now. The caller
-    /// writes back and evicts to reach it.
+    /// Under memory pressure (`short`), sets the size the cache keeps to at half of
+    /// what it holds now (not below 16 MiB) and gives up its spare buffers; without
+    /// it, doubles that size back towards `cache_size`. Freed folio memory goes back
+    /// to the system while the cache is squeezed. Returns the size it keeps to now;
+    /// the caller writes back and evicts to reach it.
     pub(crate) fn squeeze(&self, short: bool) -> u64 {
-        let floor = (16 << 20).max(4 * self.opts.folio_size);
         let now = self.size_limit();
         let next = if short {
-            (self.bytes().min(now) / 2).max(floor)
+            (self.bytes().min(now) / 2).max(16 << 20).min(now)
         } else {
             now.saturating_mul(2)
         };
-        if next >= self.opts.cache_size {
-            self.squeeze.store(u64::MAX, Ordering::Relaxed);
-        } else {
-            self.squeeze.store(next, Ordering::Relaxed);
-        }
+        let squeezed = next < self.opts.cache_size;
+        self.squeeze
+            .store(if squeezed { next } else { u64::MAX }, Ordering::Relaxed);
+        super::arena::release_freed(squeezed);
         if short {
             let mut sp = self.spare.lock();
             sp.contiguous.clear();
@@ -312,7 +201,7 @@ impl PageCache {
 
     /// Bytes of written-back, unused folios kept before they are dropped behind.
     fn behind_limit(&self) -> u64 {
-        (self.opts.cache_size / 32).max(4 * self.opts.folio_size)
+        (self.size_limit() / 32).max(4 * self.opts.folio_size)
     }
 
     /// The use count of `f`, for [`PageCache::drop_behind`].
@@ -426,7 +315,7 @@ impl PageCache {
     /// writer's data goes to the device while it writes and little is left for its
     /// closing fsync.
     pub(crate) fn background_limit(&self) -> u64 {
-        (self.opts.cache_size / 32).max(self.opts.folio_size)
+        (self.size_limit() / 32).max(self.opts.folio_size)
     }
 
     /// Counts `blocks` of folio `idx` of `ino` newly dirtied (after marking them in
@@ -723,67 +612,6 @@ impl PageCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `some avg10` is read from a pressure stall information file.
-    #[test]
-    fn psi_some_avg10_is_parsed() {
-        let t = "some avg10=12.50 avg60=3.00 avg300=0.10 total=4368969\n\
-                 full avg10=1.00 avg60=0.00 avg300=0.00 total=2456867\n";
-        assert_eq!(psi_some_avg10(t), Some(12.5));
-        assert_eq!(psi_some_avg10("full avg10=1.00\n"), None);
-        assert_eq!(psi_some_avg10(""), None);
-    }
-
-    /// The cgroup memory limit is found for v2 (the lowest on the way up, "max" none),
-    /// for v1 (memory.stat's hierarchical limit, at the first directory that exists),
-    /// and is none without one.
-    #[test]
-    fn the_cgroup_memory_limit_is_read_for_v1_and_v2() {
-        use std::collections::HashMap;
-        let fake = |files: &[(&str, &str)]| {
-            let m: HashMap<String, String> = files
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-            move |p: &str| m.get(p).cloned()
-        };
-        let v2 = fake(&[
-            ("/proc/self/cgroup", "0::/a/b\n"),
-            ("/sys/fs/cgroup/a/b/memory.max", "max\n"),
-            ("/sys/fs/cgroup/a/memory.max", "536870912\n"),
-            ("/sys/fs/cgroup/memory.max", "1073741824\n"),
-        ]);
-        assert_eq!(cgroup_memory_limit(&v2), Some(512 << 20));
-        let v2_none = fake(&[
-            ("/proc/self/cgroup", "0::/\n"),
-            ("/sys/fs/cgroup/memory.max", "max\n"),
-        ]);
-        assert_eq!(cgroup_memory_limit(&v2_none), None);
-        let v1 = fake(&[
-            (
-                "/proc/self/cgroup",
-                "5:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n",
-            ),
-            (
-                "/sys/fs/cgroup/memory/memory.stat",
-                "cache 0\nhierarchical_memory_limit 268435456\n",
-            ),
-        ]);
-        assert_eq!(
-            cgroup_memory_limit(&v1),
-            Some(256 << 20),
-            "a container's view"
-        );
-        let v1_none = fake(&[
-            ("/proc/self/cgroup", "4:memory:/p\n"),
-            (
-                "/sys/fs/cgroup/memory/p/memory.stat",
-                "hierarchical_memory_limit 9223372036854771712\n",
-            ),
-        ]);
-        assert_eq!(cgroup_memory_limit(&v1_none), None);
-        assert_eq!(cgroup_memory_limit(&fake(&[])), None, "no /proc");
-    }
 
     fn cache(size: u64) -> PageCache {
         PageCache::new(CacheOptions {

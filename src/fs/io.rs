@@ -859,14 +859,15 @@ impl Fs {
     /// Under memory pressure (`short`), halves what the page cache may hold: writes
     /// back the oldest dirty files past the lower dirty limit and evicts clean folios;
     /// without it, lets the cache grow back, doubling per call, to `cache_size`.
-    /// Servers call it about once a second with [`crate::cache::memory_short`].
+    /// Servers call it about once a second with [`crate::MemoryPressure::short`].
     pub fn relieve_memory(&self, short: bool) -> Result<()> {
         let cache = &self.cache;
-        if !short && cache.size_limit() >= cache.opts().cache_size {
+        let was = cache.size_limit();
+        if !short && was >= cache.opts().cache_size {
             return Ok(());
         }
         let limit = cache.squeeze(short);
-        if !short {
+        if !short || limit >= was {
             return Ok(());
         }
         Stats::add(&self.stats.memory_squeezes, 1);

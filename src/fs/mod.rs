@@ -352,7 +352,7 @@ impl Fs {
         let mut s = self.stats.snapshot();
         s.cache_bytes = self.cache.bytes();
         s.cache_dirty_bytes = self.cache.dirty_bytes();
-        s.cache_limit = self.cache.opts().cache_size;
+        s.cache_limit = self.cache.size_limit();
         s
     }
 
