@@ -254,9 +254,9 @@ fn dump_log(dev: &dyn BlockDev, sb: &crate::format::Superblock, out: &mut dyn Wr
         sb.log_head
     )?;
     let name = |t: u64| match t {
-        tree::FS => "fs",
-        tree::CSUM => "csum",
-        _ => "?",
+        tree::FS => "fs".to_string(),
+        tree::CSUM => "csum".to_string(),
+        t => format!("tree {t}"),
     };
     for (i, b) in batches.iter().enumerate() {
         writeln!(out, "  batch {i}: {} records", b.len())?;

@@ -3528,15 +3528,12 @@ fn mounting_an_unwritable_image_says_why_and_suggests_ro() {
         std::os::unix::fs::chown(p, Some(65534), Some(65534)).unwrap();
     }
     fs::set_permissions(&img, fs::Permissions::from_mode(0o444)).unwrap();
+    let bin = binary_for_nobody(&dir);
     let out = run(
         Command::new("setpriv")
-            .args([
-                "--reuid=65534",
-                "--regid=65534",
-                "--clear-groups",
-                BIN,
-                "mount",
-            ])
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&bin)
+            .arg("mount")
             .arg(&img)
             .arg(&mnt),
         Duration::from_secs(60),
@@ -3596,6 +3593,15 @@ fn read_only_mount_refuses_writes() {
     m.unmount();
 }
 
+/// A copy of the birchfs binary in `dir` (which uid 65534 can reach), for running it
+/// as that user: the build's own path may pass through directories closed to it.
+fn binary_for_nobody(dir: &Path) -> PathBuf {
+    let bin = dir.join("birchfs");
+    fs::copy(BIN, &bin).unwrap();
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
 /// The root directory belongs to whoever ran mkfs (as mke2fs does), so a user who
 /// makes and mounts an image can write to it; `--root-owner` names another owner.
 #[test]
@@ -3630,16 +3636,12 @@ fn mkfs_gives_the_root_directory_to_the_user_who_ran_it() {
     std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
     fs::set_permissions(m.host_dir(), fs::Permissions::from_mode(0o755)).unwrap();
     let img = dir.join("img");
+    let bin = binary_for_nobody(&dir);
     let out = run(
         Command::new("setpriv")
-            .args([
-                "--reuid=65534",
-                "--regid=65534",
-                "--clear-groups",
-                BIN,
-                "mkfs",
-            ])
-            .args(["--size", "256M"])
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&bin)
+            .args(["mkfs", "--size", "256M"])
             .arg(&img),
         Duration::from_secs(60),
     );
@@ -3902,12 +3904,31 @@ fn mkfs_preallocate_writes_the_whole_image_and_mounts() {
         "a refused --preallocate wrote to the file"
     );
     fs::remove_file(&other).unwrap();
+    let before = fs::metadata(m.image()).unwrap().len();
     let out = m.mkfs(&["--size", "16M", "--force", "--preallocate"]);
     assert!(!out.status.success(), "--preallocate of 16 MiB");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("nothing written"),
         "refused only after zeroing:\n{}",
         describe(&out)
+    );
+    assert_eq!(
+        fs::metadata(m.image()).unwrap().len(),
+        before,
+        "resized anyway"
+    );
+    // A new file that mkfs refuses is not left behind.
+    let new = m.image().with_extension("new");
+    let out = Command::new(BIN)
+        .args(["mkfs", "--preallocate", "--size", "16M"])
+        .arg(&new)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        !new.exists(),
+        "a refused mkfs left {} behind",
+        new.display()
     );
     let out = m.mkfs(&["--size", "96M", "--force", "--preallocate"]);
     assert!(

@@ -215,7 +215,6 @@ pub fn processes_naming(image: &Path) -> Vec<u32> {
 }
 
 /// True when nobody holds an flock or a POSIX/OFD lock on the image.
-/// No process holds the image's lock (flock or POSIX).
 pub fn image_unlocked(image: &Path) -> bool {
     let f = match File::open(image) {
         Ok(f) => f,
