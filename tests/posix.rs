@@ -3706,6 +3706,30 @@ fn check_waits_for_a_daemon_that_is_finishing() {
     );
 }
 
+/// `birchfs umount` unmounts nothing when it cannot open the image to wait on (here,
+/// renamed while mounted), and says so.
+#[test]
+fn birchfs_umount_leaves_a_mount_whose_image_it_cannot_open() {
+    let mut m = Mount::new();
+    let moved = m.image().with_extension("moved");
+    fs::rename(m.image(), &moved).unwrap();
+    let out = run(
+        Command::new(BIN).arg("umount").arg(m.root()),
+        Duration::from_secs(30),
+    );
+    fs::rename(&moved, m.image()).unwrap();
+    assert!(!out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("nothing unmounted"),
+        "{}",
+        describe(&out)
+    );
+    assert!(is_mounted_at(m.root()), "unmounted without waiting");
+    let out = m.birchfs_umount();
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(image_unlocked(m.image()));
+}
+
 /// `birchfs umount` returns once the daemon has written everything and let go of the
 /// image, where `umount` returns while the daemon is still committing. Neither
 /// leaves a warning in the daemon's log.
