@@ -3706,6 +3706,87 @@ fn check_waits_for_a_daemon_that_is_finishing() {
     );
 }
 
+/// A user who is not root makes, mounts (through the setuid fusermount3), uses and
+/// unmounts a filesystem of their own. Needs root (to act as uid 65534) and
+/// fusermount3; /dev/fuse is opened to users for the test where it is not (as most
+/// distributions have it) and set back after.
+#[test]
+fn a_user_makes_mounts_uses_and_unmounts_their_own_filesystem() {
+    if !Path::new("/usr/bin/fusermount3").exists() && !Path::new("/bin/fusermount3").exists() {
+        eprintln!("note: no fusermount3 here; skipped");
+        return;
+    }
+    struct DevFuseMode(Option<u32>);
+    impl Drop for DevFuseMode {
+        fn drop(&mut self) {
+            if let Some(mode) = self.0 {
+                let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(mode));
+            }
+        }
+    }
+    let mode = stat(Path::new("/dev/fuse")).mode() & 0o7777;
+    let _restore = DevFuseMode((mode & 0o006 != 0o006).then_some(mode));
+    if mode & 0o006 != 0o006 {
+        fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let m = Mount::bare();
+    fs::set_permissions(m.host_dir(), fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = m.host_dir().join("u");
+    fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    let bin = binary_for_nobody(&dir);
+    let (img, mnt) = (dir.join("img"), dir.join("mnt"));
+    let script = r#"set -e
+        "$1" mkfs --size 256M "$2"
+        mkdir "$3"
+        "$1" mount "$2" "$3"
+        echo mine > "$3/f"
+        mkdir "$3/d"
+        cat "$3/f"
+        "$1" stats "$3" | grep -q fsyncs
+        "$1" umount "$3"
+        "$1" check "$2""#;
+    let out = run(
+        Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "sh",
+                "-c",
+            ])
+            .arg(script)
+            .arg("sh")
+            .arg(&bin)
+            .arg(&img)
+            .arg(&mnt),
+        Duration::from_secs(120),
+    );
+    let left_mounted = is_mounted_at(&mnt);
+    if left_mounted {
+        let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    }
+    assert!(out.status.success(), "as uid 65534:\n{}", describe(&out));
+    assert!(!left_mounted, "still mounted after birchfs umount");
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .any(|l| l == "mine"),
+        "{}",
+        describe(&out)
+    );
+    assert!(image_unlocked(&img));
+    // What the user wrote is theirs, on the disk.
+    let mut root = Mount::bare();
+    fs::rename(&img, root.image()).unwrap();
+    root.mount();
+    let st = stat(&root.path("f"));
+    assert_eq!((st.uid(), st.gid()), (65534, 65534));
+    assert_eq!(fs::read(root.path("f")).unwrap(), b"mine\n");
+    assert_eq!(stat(&root.path("d")).uid(), 65534);
+    root.unmount();
+}
+
 /// `birchfs umount` unmounts nothing when it cannot open the image to wait on (here,
 /// renamed while mounted), and says so.
 #[test]
