@@ -620,6 +620,9 @@ fn mount(opts: &[String], image: &Path, mountpoint: &Path, ready_fd: Option<i32>
     r
 }
 
+/// Set in a daemon's environment, memory counts as short half of the time (tests).
+const MEMORY_SHORT_HOOK: &str = "BIRCHFS_TEST_MEMORY_SHORT";
+
 /// Opens the image, waiting up to 10 s while another process holds its lock: after
 /// `umount` the previous daemon still finishes its last commit before it lets go
 /// (used by every command that opens an image).
@@ -754,11 +757,25 @@ fn mount_serve(
     // Shrinks the page cache while the system is short of memory, and lets it grow
     // back after.
     let mut pressure = birchfs::MemoryPressure::new();
+    // A test hook: memory is short for five ticks, 100 ms apart, then not for five,
+    // whatever the system says (squeezing to the floor and growing back under load).
+    let alternate = std::env::var_os(MEMORY_SHORT_HOOK).is_some();
+    let mut tick = 0u64;
     spawn_while_mounted("memory", &fs, SECOND, move |fs| {
-        if let Err(e) = fs.relieve_memory(pressure.short()) {
+        tick += 1;
+        let short = if alternate {
+            (tick / 5) % 2 == 1
+        } else {
+            pressure.short()
+        };
+        if let Err(e) = fs.relieve_memory(short) {
             tracing::error!("writeback under memory pressure failed: {e}");
         }
-        SECOND
+        if alternate {
+            Duration::from_millis(100)
+        } else {
+            SECOND
+        }
     })?;
     // Read the next windows of sequential readers while they take this one: three, so
     // that windows' device reads overlap each other and the others' checksums (a

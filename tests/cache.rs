@@ -322,6 +322,74 @@ fn a_daemon_in_a_256mib_cgroup_sizes_its_cache_to_fit_and_writes_2gib() {
     m.unmount();
 }
 
+/// With memory short half of the time (a test hook: five 100 ms ticks short, five
+/// not), the cache shrinks to its floor and grows back again and again while files
+/// are written, overwritten at random, fsynced and read; nothing read differs from a
+/// model, before or after a remount.
+#[test]
+fn files_stay_whole_while_memory_pressure_squeezes_the_cache_again_and_again() {
+    const FILES: usize = 3;
+    const LEN: usize = 96 << 20;
+    let mut m = Mount::unmounted("2G");
+    m.set_daemon_env("BIRCHFS_TEST_MEMORY_SHORT", "1");
+    m.mount_with(&["cache_size=128M"]);
+    let mut rng_state = 0x2545_f491_4f6c_dd1du64;
+    let mut rnd = move || {
+        rng_state ^= rng_state << 13;
+        rng_state ^= rng_state >> 7;
+        rng_state ^= rng_state << 17;
+        rng_state
+    };
+    let mut model: Vec<Vec<u8>> = (0..FILES)
+        .map(|f| (0..LEN).map(|i| (i / 4096 + f) as u8).collect())
+        .collect();
+    for (f, data) in model.iter().enumerate() {
+        fs::write(m.path(format!("f{f}")), data).unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    let mut rounds = 0;
+    while t0.elapsed() < std::time::Duration::from_secs(6) || rounds < 200 {
+        rounds += 1;
+        let f = (rnd() % FILES as u64) as usize;
+        let len = (rnd() % (256 << 10)) as usize + 1;
+        let off = (rnd() % (LEN - len) as u64) as usize;
+        let p = m.path(format!("f{f}"));
+        if rnd() % 3 == 0 {
+            let mut got = vec![0u8; len];
+            File::open(&p)
+                .unwrap()
+                .read_exact_at(&mut got, off as u64)
+                .unwrap();
+            assert!(
+                got == model[f][off..off + len],
+                "f{f} at {off}+{len} differs"
+            );
+        } else {
+            let byte = rnd() as u8;
+            let file = OpenOptions::new().write(true).open(&p).unwrap();
+            file.write_all_at(&vec![byte; len], off as u64).unwrap();
+            model[f][off..off + len].fill(byte);
+            if rnd() % 8 == 0 {
+                file.sync_data().unwrap();
+            }
+        }
+    }
+    let squeezes = daemon_stats(&m)["cache"]["squeezes"].as_u64().unwrap();
+    assert!(squeezes >= 4, "only {squeezes} squeezes in {rounds} rounds");
+    for (f, data) in model.iter().enumerate() {
+        assert!(fs::read(m.path(format!("f{f}"))).unwrap() == *data, "f{f}");
+    }
+    m.remount();
+    drop_kernel_caches();
+    for (f, data) in model.iter().enumerate() {
+        assert!(
+            fs::read(m.path(format!("f{f}"))).unwrap() == *data,
+            "f{f} after remount"
+        );
+    }
+    m.unmount();
+}
+
 /// Bytes read through opens that bypass the kernel's page cache, per the daemon.
 fn direct_read_bytes(m: &Mount) -> u64 {
     daemon_stats(m)["bytes"]["direct_read"]
