@@ -96,7 +96,7 @@ enum Cmd {
         #[command(subcommand)]
         action: SnapshotCmd,
     },
-    /// Print the trees of IMAGE
+    /// Print the trees of IMAGE and the log a mount would replay
     Dump {
         /// Only this tree: root, extent, fs, csum; or log (the fsynced changes a mount would replay)
         #[arg(long)]
