@@ -539,8 +539,15 @@ fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
 
 fn init_logging(log: Option<&Path>) -> Result<()> {
     // fuser warns at every unmount made from outside (its own unmount then finds
-    // nothing mounted); its other session messages are errors.
-    let filter = tracing_subscriber::EnvFilter::try_from_env("BIRCHFS_LOG")
+    // nothing mounted); its other session messages are errors. A BIRCHFS_LOG that
+    // names fuser itself decides alone.
+    let asked = std::env::var("BIRCHFS_LOG").unwrap_or_else(|_| "warn".into());
+    let spec = if asked.contains("fuser") {
+        asked
+    } else {
+        format!("{asked},fuser::session=error")
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fuser::session=error"));
     let b = tracing_subscriber::fmt().with_env_filter(filter);
     match log {

@@ -3876,6 +3876,16 @@ fn birchfs_umount_returns_after_the_last_commit() {
         !log.contains("WARN") && !log.contains("ERROR"),
         "clean unmounts left this in the log:\n{log}"
     );
+    // Also with a log level asked for (that does not name fuser).
+    m.set_daemon_env("BIRCHFS_LOG", "info");
+    m.mount();
+    m.unmount();
+    let more = m.daemon_log()[log.len()..].to_string();
+    assert!(
+        more.contains("INFO"),
+        "BIRCHFS_LOG=info logged nothing:\n{more}"
+    );
+    assert!(!more.contains("WARN"), "{more}");
 }
 
 // ---------------------------------------------------------------------------
