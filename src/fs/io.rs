@@ -599,20 +599,29 @@ impl Fs {
         g.uptodate.set_range(m.a, m.b);
     }
 
-    /// Keeps the cache within its limits: past the dirty limit the writer writes back
-    /// (its own file first); past the cache size, clean folios are evicted, and when
-    /// too much is dirty for that, the oldest dirty files are written back first.
+    /// Keeps the cache within its limits after a write to `ino`: past the dirty limit
+    /// the writer writes back its own file first, then [`Fs::shed`] a chunk of each
+    /// file at a time.
     fn balance(&self, ino: u64) -> Result<()> {
         let cache = &self.cache;
+        if cache.dirty_bytes() > cache.dirty_limit() && cache.has_dirty(ino) {
+            self.writeback(ino, WB_CHUNK)?;
+        }
+        self.shed(WB_CHUNK)
+    }
+
+    /// Brings the cache within its limits: past the dirty limit the oldest dirty files
+    /// are written back, up to `per_file` bytes of each; past its size clean folios
+    /// are evicted, and when too much is dirty for that, the oldest dirty files are
+    /// written back first.
+    fn shed(&self, per_file: u64) -> Result<()> {
+        let cache = &self.cache;
         if cache.dirty_bytes() > cache.dirty_limit() {
-            if cache.has_dirty(ino) {
-                self.writeback(ino, WB_CHUNK)?;
-            }
             for (other, _) in cache.dirty_inodes() {
                 if cache.dirty_bytes() <= cache.dirty_limit() {
                     break;
                 }
-                self.writeback(other, WB_CHUNK)?;
+                self.writeback(other, per_file)?;
             }
         }
         if cache.evict() {
@@ -856,9 +865,10 @@ impl Fs {
         Ok(())
     }
 
-    /// Under memory pressure (`short`), halves what the page cache may hold: writes
-    /// back the oldest dirty files past the lower dirty limit and evicts clean folios;
-    /// without it, lets the cache grow back, doubling per call, to `cache_size`.
+    /// Under memory pressure (`short`), halves what the page cache may hold and sheds
+    /// down to it ([`Fs::shed`]: the oldest dirty files written back whole past the
+    /// lower dirty limit, clean folios evicted); without it, lets the cache grow back,
+    /// doubling per call, to `cache_size`.
     /// Servers call it about once a second with [`crate::MemoryPressure::short`].
     pub fn relieve_memory(&self, short: bool) -> Result<()> {
         let cache = &self.cache;
@@ -875,14 +885,7 @@ impl Fs {
             "memory is short: the page cache keeps to {} MiB",
             limit >> 20
         );
-        for (ino, _) in cache.dirty_inodes() {
-            if cache.dirty_bytes() <= cache.dirty_limit() {
-                break;
-            }
-            self.writeback(ino, u64::MAX)?;
-        }
-        cache.evict();
-        Ok(())
+        self.shed(u64::MAX)
     }
 
     /// Before a change of `ino`'s blocks in the tree (truncate, hole punch,
