@@ -1,0 +1,397 @@
+//! The mount daemon: starts in the background, serves FUSE, and runs the threads
+//! that commit, write back, read ahead and relieve memory while mounted.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use birchfs::fuse::{uring, FuseFs};
+use birchfs::Fs;
+
+use crate::cli::options::{parse_mount_options, UringMode};
+use crate::open_when_free;
+
+/// Starts the daemon in the background and waits until it reports the mount ready.
+pub(crate) fn mount_background(args: &[String]) -> Result<()> {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe writes two fds into the array.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        bail!("pipe: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned here.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let exe = std::env::current_exe().context("cannot find own executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("mount")
+        .arg("--foreground")
+        .arg("--ready-fd")
+        .arg(fds[1].to_string());
+    cmd.args(args);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let rd_raw = fds[0];
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            libc::close(rd_raw);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("cannot start the mount daemon")?;
+    drop(wr);
+    let mut msg = String::new();
+    std::fs::File::from(rd).read_to_string(&mut msg)?;
+    if msg.starts_with("ok") {
+        return Ok(());
+    }
+    let _ = child.wait();
+    let msg = msg.trim();
+    if msg.is_empty() {
+        bail!("the mount daemon exited before the mount was ready");
+    }
+    bail!("{msg}")
+}
+
+/// Serves the mount in this process until it is unmounted, reporting readiness (or
+/// why it failed) on `ready_fd`.
+pub(crate) fn mount(
+    opts: &[String],
+    image: &Path,
+    mountpoint: &Path,
+    ready_fd: Option<i32>,
+) -> Result<()> {
+    // Few malloc arenas, and large buffers (I/O runs, readahead) mapped and unmapped
+    // each time: otherwise memory freed by one thread and wanted by another, or freed
+    // large buffers, pile up as slack far beyond cache_size.
+    // SAFETY: mallopt only tunes the allocator; it is called before other threads exist.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+    }
+    // SAFETY: the fd was handed to us by the parent for this purpose.
+    let mut ready = ready_fd.map(|fd| std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }));
+    let r = mount_serve(opts, image, mountpoint, &mut ready);
+    if let (Err(e), Some(f)) = (&r, ready.as_mut()) {
+        let _ = writeln!(f, "{e:#}");
+    }
+    r
+}
+
+/// Set in a daemon's environment, memory counts as short half of the time (tests).
+const MEMORY_SHORT_HOOK: &str = "BIRCHFS_TEST_MEMORY_SHORT";
+
+fn mount_serve(
+    opts: &[String],
+    image: &Path,
+    mountpoint: &Path,
+    ready: &mut Option<std::fs::File>,
+) -> Result<()> {
+    let mo = parse_mount_options(opts)?;
+    if !mountpoint.is_dir() {
+        bail!(
+            "mountpoint {} does not exist or is not a directory",
+            mountpoint.display()
+        );
+    }
+    let dev = open_when_free(image, !mo.fs.readonly).map_err(|e| {
+        // A read-only image file, or one on a read-only filesystem, still mounts `ro`.
+        let hint = match e.raw_os_error() {
+            Some(libc::EACCES | libc::EROFS | libc::EPERM) if !mo.fs.readonly => {
+                " (to read it without writing, mount it with -o ro)"
+            }
+            _ => "",
+        };
+        anyhow!("cannot open {}: {e}{hint}", image.display())
+    })?;
+    let fs = Arc::new(
+        Fs::open(Arc::new(dev), mo.fs.clone())
+            .with_context(|| format!("cannot mount {}", image.display()))?,
+    );
+    let mut cfg = fuser::Config::default();
+    cfg.mount_options = vec![
+        // Absolute, so that `birchfs umount` finds the image from anywhere.
+        fuser::MountOption::FSName(format!("birchfs:{}", std::path::absolute(image)?.display())),
+        fuser::MountOption::Subtype("birchfs".into()),
+        fuser::MountOption::DefaultPermissions,
+    ];
+    if mo.fs.readonly {
+        cfg.mount_options.push(fuser::MountOption::RO);
+    }
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root {
+        cfg.acl = fuser::SessionACL::All;
+    }
+    cfg.mount_options.extend(mo.vfs.mount_options(root));
+    cfg.n_threads = Some(mo.threads);
+    cfg.clone_fd = true;
+    let mut ffs = FuseFs::new(fs.clone());
+    ffs.direct_reads(mo.direct_read());
+    ffs.gather_fsyncs(mo.gather);
+    if want_uring(mo.uring)? {
+        ffs.offer_uring();
+    }
+    let served = ffs.clone();
+    let mut session = fuser::Session::new(ffs, mountpoint, &cfg)
+        .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
+    served.set_notifier(session.notifier());
+    let rings = if served.uring_agreed() {
+        let (rings, r) = uring::Rings::start(&served, session.as_fd(), mo.ring);
+        match r {
+            Ok(()) => tracing::info!("serving FUSE requests through io_uring queues"),
+            Err(e) if mo.uring == UringMode::On => {
+                bail!("uring=on, but the io_uring queues could not be registered: {e}")
+            }
+            Err(e) => tracing::warn!(
+                "io_uring queues failed ({e}); see the log for which way requests go now"
+            ),
+        }
+        Some(rings)
+    } else if mo.uring == UringMode::On {
+        bail!("uring=on, but the kernel did not agree to FUSE over io_uring at INIT");
+    } else {
+        None
+    };
+    drop(served);
+    let mut unmounter = session.unmount_callable();
+    let mut signals =
+        signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!("signal {sig}: unmounting");
+                if let Err(e) = unmounter.unmount() {
+                    tracing::error!("unmount on signal failed: {e}");
+                }
+            }
+        })?;
+    const NOW: Duration = Duration::ZERO;
+    const SECOND: Duration = Duration::from_secs(1);
+    const READAHEAD_THREADS: usize = 3;
+    if !mo.fs.commit_interval.is_zero() && !mo.fs.readonly {
+        let mut clock = CommitClock::new(mo.fs.commit_interval, Instant::now());
+        spawn_while_mounted("committer", &fs, COMMIT_TICK, move |fs| {
+            let changes = fs.changes();
+            if clock.due(changes, Instant::now()) {
+                if let Err(e) = fs.commit() {
+                    tracing::error!("periodic commit failed: {e}");
+                }
+                clock.committed(changes, Instant::now());
+            }
+            COMMIT_TICK
+        })?;
+    }
+    if !mo.fs.readonly {
+        spawn_while_mounted("flusher", &fs, NOW, |fs| {
+            match fs.flush_background(SECOND) {
+                Ok(()) => NOW,
+                Err(e) => {
+                    tracing::error!("background writeback failed: {e}");
+                    SECOND
+                }
+            }
+        })?;
+    }
+    // Shrinks the page cache while the system is short of memory, and lets it grow
+    // back after.
+    let mut pressure = birchfs::MemoryPressure::new();
+    // A test hook: memory is short for five ticks, 100 ms apart, then not for five,
+    // whatever the system says (squeezing to the floor and growing back under load).
+    let alternate = std::env::var_os(MEMORY_SHORT_HOOK).is_some();
+    let mut tick = 0u64;
+    spawn_while_mounted("memory", &fs, SECOND, move |fs| {
+        tick += 1;
+        let short = if alternate {
+            (tick / 5) % 2 == 1
+        } else {
+            pressure.short()
+        };
+        if let Err(e) = fs.relieve_memory(short) {
+            tracing::error!("writeback under memory pressure failed: {e}");
+        }
+        if alternate {
+            Duration::from_millis(100)
+        } else {
+            SECOND
+        }
+    })?;
+    // Read the next windows of sequential readers while they take this one: three, so
+    // that windows' device reads overlap each other and the others' checksums (a
+    // direct-read stream, answered without the kernel's copy, went from 2.5 to
+    // 3.0 GB/s with three threads four windows ahead instead of two and two).
+    for _ in 0..READAHEAD_THREADS {
+        spawn_while_mounted("readahead", &fs, NOW, |fs| {
+            if let Err(e) = fs.readahead_step(SECOND) {
+                tracing::debug!("readahead failed: {e}");
+            }
+            NOW
+        })?;
+    }
+    if !mo.fs.readonly {
+        // Frees what deleted snapshots held, a bounded step at a time.
+        spawn_while_mounted("cleaner", &fs, NOW, |fs| match fs.drop_deleted(64) {
+            Ok(true) => NOW,
+            Ok(false) => SECOND,
+            Err(e) => {
+                tracing::error!("dropping deleted snapshots failed: {e}");
+                SECOND
+            }
+        })?;
+    }
+    if let Some(mut f) = ready.take() {
+        let _ = f.write_all(b"ok\n");
+    }
+    // `run` consumes the session and with it the filesystem, whose drop waits for the
+    // fsync workers: the final commit comes after any writeback they were doing.
+    let r = session.run();
+    if let Some(rings) = rings {
+        rings.join(Duration::from_secs(10));
+    }
+    fs.commit().context("final commit failed")?;
+    r.context("FUSE session failed")?;
+    Ok(())
+}
+
+/// Whether to offer the kernel FUSE over io_uring, for the `uring=` option. `on`
+/// turns fuse's `enable_uring` parameter on when it is off (which needs root).
+fn want_uring(mode: UringMode) -> Result<bool> {
+    if mode == UringMode::Off {
+        return Ok(false);
+    }
+    if !uring::available() {
+        if mode == UringMode::On {
+            bail!("uring=on, but this process cannot set up an io_uring");
+        }
+        return Ok(false);
+    }
+    if !uring::enabled_in_kernel() && mode == UringMode::On {
+        std::fs::write(uring::ENABLE_PARAM, "1").with_context(|| {
+            format!(
+                "uring=on, but fuse's io_uring support is off and cannot be turned on ({})",
+                uring::ENABLE_PARAM
+            )
+        })?;
+        tracing::info!("turned on {}", uring::ENABLE_PARAM);
+    }
+    Ok(uring::enabled_in_kernel())
+}
+
+/// How often the periodic committer looks at the clock.
+const COMMIT_TICK: Duration = Duration::from_millis(250);
+
+/// Changes quiet this long after some came make the periodic committer commit.
+const COMMIT_QUIET: Duration = Duration::from_secs(1);
+
+/// When the periodic committer commits: every `commit=` seconds, and once changes
+/// (writes, names, attributes: [`birchfs::Fs::changes`]) have been quiet for
+/// [`COMMIT_QUIET`] after some came. `sync(1)` does not reach a FUSE daemon (the
+/// kernel sends FUSE_SYNCFS to virtiofs only): it makes the kernel write its dirty
+/// pages back to birchfs, and returns, and a rename or an unlink before it is in
+/// birchfs's running transaction. So what came before a `sync` is committed a
+/// second later, not up to `commit=` seconds later.
+struct CommitClock {
+    every: Duration,
+    last_commit: Instant,
+    /// The change count as of the last commit.
+    changes_at_commit: u64,
+    /// The change count when last looked at, and since when it stands.
+    seen: u64,
+    seen_since: Instant,
+}
+
+impl CommitClock {
+    fn new(every: Duration, now: Instant) -> CommitClock {
+        CommitClock {
+            every,
+            last_commit: now,
+            changes_at_commit: 0,
+            seen: 0,
+            seen_since: now,
+        }
+    }
+
+    /// Whether to commit at `now`, with the change count at `changes`.
+    fn due(&mut self, changes: u64, now: Instant) -> bool {
+        if changes != self.seen {
+            self.seen = changes;
+            self.seen_since = now;
+        }
+        let quiet = changes != self.changes_at_commit
+            && now.saturating_duration_since(self.seen_since) >= COMMIT_QUIET;
+        quiet || now.saturating_duration_since(self.last_commit) >= self.every
+    }
+
+    /// Notes a commit at `now` that covered the change count `changes`.
+    fn committed(&mut self, changes: u64, now: Instant) {
+        self.last_commit = now;
+        self.changes_at_commit = changes;
+    }
+}
+
+/// Runs `step` on a thread named `name` for as long as `fs` is alive: after a pause
+/// (`first`, then what the step returns), each step gets the filesystem, and lets go
+/// of it before pausing, so the thread never keeps an unmounted filesystem alive.
+fn spawn_while_mounted(
+    name: &str,
+    fs: &Arc<Fs>,
+    first: Duration,
+    mut step: impl FnMut(&Fs) -> Duration + Send + 'static,
+) -> std::io::Result<()> {
+    let weak = Arc::downgrade(fs);
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let mut pause = first;
+            loop {
+                if !pause.is_zero() {
+                    std::thread::sleep(pause);
+                }
+                let Some(fs) = weak.upgrade() else { break };
+                pause = step(&fs);
+            }
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    /// Changes that stop are committed a second later; changes that go on wait for
+    /// the interval; no changes, no early commit.
+    #[test]
+    fn the_committer_commits_a_second_after_writes_stop_and_at_the_interval() {
+        let t0 = Instant::now();
+        let mut c = CommitClock::new(30 * S, t0);
+        assert!(!c.due(0, t0 + S * 5), "nothing changed");
+        // Changes keep coming every 250 ms: only the interval commits.
+        let mut w = 0;
+        let mut t = t0 + S * 5;
+        while t < t0 + S * 29 {
+            w += 1;
+            assert!(!c.due(w, t), "changes still coming at {:?}", t - t0);
+            t += COMMIT_TICK;
+        }
+        assert!(c.due(w, t0 + S * 30), "the interval");
+        c.committed(w, t0 + S * 30);
+        assert!(!c.due(w, t0 + S * 31), "nothing new since");
+        // A burst (as sync(1) makes the kernel send), then quiet.
+        w += 256;
+        assert!(!c.due(w, t0 + S * 40));
+        assert!(!c.due(w, t0 + S * 40 + COMMIT_TICK * 3));
+        assert!(c.due(w, t0 + S * 41), "quiet for a second");
+        c.committed(w, t0 + S * 41);
+        assert!(!c.due(w, t0 + S * 45));
+    }
+}
