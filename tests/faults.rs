@@ -662,3 +662,39 @@ fn concurrent_reads_and_writes_on_a_loop_device_with_a_small_cache_match_a_model
     }
     m.unmount();
 }
+
+#[test]
+fn a_damaged_root_node_refuses_the_mount_and_points_at_check() {
+    let mut m = Mount::new();
+    fs::create_dir(m.path("d")).unwrap();
+    for i in 0..2000 {
+        fs::write(m.path(format!("d/file-{i:05}")), b"x").unwrap();
+    }
+    m.unmount();
+    // The fs tree's root: the first node `dump` prints under "tree 5:".
+    let dump = birchfs(["dump", "--tree", "fs", m.image().to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&dump.stdout).to_string();
+    let root = text
+        .lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix("node 0x"))
+        .map(|r| u64::from_str_radix(r.split_whitespace().next().unwrap(), 16).unwrap())
+        .expect("an fs tree of more than one leaf");
+    flip(m.image(), root + 300);
+    let out = m.try_mount(&[]);
+    assert!(!out.status.success(), "mounted with a damaged root");
+    assert!(!m.is_mounted());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("corrupt tree node at {root:#x}")),
+        "names the block: {err}"
+    );
+    assert!(err.contains("birchfs check"), "points at check: {err}");
+    let out = m.check();
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!("{root:#x}")),
+        "{}",
+        describe(&out)
+    );
+}

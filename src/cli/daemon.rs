@@ -111,10 +111,18 @@ fn mount_serve(
         };
         anyhow!("cannot open {}: {e}{hint}", image.display())
     })?;
-    let fs = Arc::new(
-        Fs::open(Arc::new(dev), mo.fs.clone())
-            .with_context(|| format!("cannot mount {}", image.display()))?,
-    );
+    let fs = Arc::new(Fs::open(Arc::new(dev), mo.fs.clone()).map_err(|e| {
+        // A damaged node the mount itself needs (a tree's root, say): say where the
+        // rest of the damage is listed.
+        let hint = match e {
+            birchfs::Error::Corrupt { .. } => format!(
+                "; `birchfs check {}` lists every damaged block and what it breaks",
+                image.display()
+            ),
+            _ => String::new(),
+        };
+        anyhow!("cannot mount {}: {e}{hint}", image.display())
+    })?);
     let mut cfg = fuser::Config::default();
     cfg.mount_options = vec![
         // Absolute, so that `birchfs umount` finds the image from anywhere.
