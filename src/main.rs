@@ -344,7 +344,7 @@ fn mkfs_on(
         meta.len()
     };
     // Refuse what mkfs would refuse anyway before resizing or writing zeros.
-    if prealloc && want < 32 << 20 {
+    if prealloc && want < birchfs::format::MIN_DEVICE_SIZE {
         bail!(
             "{} is smaller than 32 MiB; nothing written",
             image.display()
