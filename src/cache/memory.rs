@@ -37,12 +37,12 @@ fn cgroup_memory_limit(read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
     let mut limit: Option<u64> = None;
     for line in own.lines() {
         let mut f = line.splitn(3, ':');
-        let (Some(id), Some(ctrls), Some(path)) = (f.next(), f.next(), f.next()) else {
+        let (Some(_), Some(ctrls), Some(path)) = (f.next(), f.next(), f.next()) else {
             continue;
         };
-        let found = if id == "0" && ctrls.is_empty() {
+        let found = if let Some(v2) = v2_path(line) {
             // cgroup v2: every ancestor's memory.max applies.
-            ancestry(path)
+            ancestry(v2)
                 .iter()
                 .filter_map(|p| read(&format!("/sys/fs/cgroup{p}/memory.max")))
                 .filter_map(|t| real(t.trim().parse().ok()?))
@@ -74,6 +74,11 @@ fn cgroup_memory_limit(read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
     limit
 }
 
+/// The cgroup v2 path in a line of /proc/self/cgroup (`0::PATH`), `None` for a v1 line.
+fn v2_path(line: &str) -> Option<&str> {
+    line.strip_prefix("0::")
+}
+
 /// A cgroup's path, then each ancestor's, up to the root ("").
 fn ancestry(path: &str) -> Vec<String> {
     let mut p = path.trim_end_matches('/').to_string();
@@ -99,10 +104,7 @@ impl MemoryPressure {
     pub fn new() -> MemoryPressure {
         let mut files = vec!["/proc/pressure/memory".to_string()];
         let own = std::fs::read_to_string("/proc/self/cgroup").ok();
-        if let Some(p) = own
-            .as_deref()
-            .and_then(|t| t.lines().find_map(|l| l.strip_prefix("0::")))
-        {
+        if let Some(p) = own.as_deref().and_then(|t| t.lines().find_map(v2_path)) {
             files.push(format!(
                 "/sys/fs/cgroup{}/memory.pressure",
                 p.trim_end_matches('/')
