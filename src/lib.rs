@@ -24,6 +24,7 @@ mod fs;
 pub mod fuse;
 mod log;
 pub mod refs;
+pub mod restore;
 pub mod skiplist;
 mod stats;
 mod txn;

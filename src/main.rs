@@ -105,6 +105,17 @@ enum Cmd {
         /// Image file or block device
         image: PathBuf,
     },
+    /// Copy the files of IMAGE into DEST, also when damage keeps it from mounting:
+    /// exit 0 all restored, 1 something damaged or lost (listed), 2 nothing read
+    Restore {
+        /// Restore this snapshot instead of the live filesystem
+        #[arg(long)]
+        snapshot: Option<String>,
+        /// Image file or block device
+        image: PathBuf,
+        /// Directory to restore into (created, or empty)
+        dest: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -546,6 +557,61 @@ fn run() -> Result<ExitCode> {
                             "note: the log holds {} fsynced batches a mount would replay; \
                              this check saw the last commit without them (mount and \
                              unmount once, then check again, to check them too)",
+                            rep.pending_log_batches
+                        );
+                    }
+                    if rep.problems.is_empty() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    }
+                }
+            });
+        }
+        Cmd::Restore {
+            snapshot,
+            image,
+            dest,
+        } => {
+            init_logging(None)?;
+            let dev = match open_when_free(&image, false) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("birchfs restore: cannot open {}: {e}", image.display());
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            let opts = birchfs::restore::RestoreOptions {
+                snapshot: snapshot.map(String::into_bytes),
+            };
+            return Ok(match birchfs::restore::restore(&dev, &dest, &opts) {
+                Err(e) => {
+                    eprintln!("birchfs restore: {}: {e}", image.display());
+                    ExitCode::from(2)
+                }
+                Ok(rep) => {
+                    for p in &rep.problems {
+                        println!("{p}");
+                    }
+                    eprintln!("{}", rep.summary());
+                    if rep.unverified_blocks > 0 {
+                        eprintln!(
+                            "note: {} data blocks had no checksum left to check them against",
+                            rep.unverified_blocks
+                        );
+                    }
+                    if rep.attrs_refused > 0 {
+                        eprintln!(
+                            "note: {} owners or extended attributes were refused by {}",
+                            rep.attrs_refused,
+                            dest.display()
+                        );
+                    }
+                    if rep.pending_log_batches > 0 {
+                        eprintln!(
+                            "note: the log holds {} fsynced batches after the last commit, \
+                             which restore does not read; if the image mounts, mount and \
+                             unmount it once, then restore again, to include them",
                             rep.pending_log_batches
                         );
                     }

@@ -664,7 +664,7 @@ fn concurrent_reads_and_writes_on_a_loop_device_with_a_small_cache_match_a_model
 }
 
 #[test]
-fn a_damaged_root_node_refuses_the_mount_and_points_at_check() {
+fn a_damaged_root_node_refuses_the_mount_and_restore_gets_the_files_back() {
     let mut m = Mount::new();
     fs::create_dir(m.path("d")).unwrap();
     for i in 0..2000 {
@@ -697,4 +697,38 @@ fn a_damaged_root_node_refuses_the_mount_and_points_at_check() {
         "{}",
         describe(&out)
     );
+    assert!(err.contains("birchfs restore"), "points at restore: {err}");
+    // restore gets every file back from the leaves under the lost root, says which
+    // node was lost, and exits 1 for it.
+    let dest = m.host_dir().join("restored");
+    let out = birchfs([
+        "restore",
+        m.image().to_str().unwrap(),
+        dest.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains(&format!("fs tree: corrupt tree node at {root:#x}")),
+        "{}",
+        describe(&out)
+    );
+    for i in 0..2000 {
+        assert_eq!(
+            fs::read(dest.join(format!("d/file-{i:05}"))).unwrap(),
+            b"x",
+            "file-{i:05}"
+        );
+    }
+    assert_eq!(fs::read_dir(dest.join("d")).unwrap().count(), 2000);
+    // A second restore into the same, now full, directory is refused (exit 2) and
+    // leaves it alone.
+    let out = birchfs([
+        "restore",
+        m.image().to_str().unwrap(),
+        dest.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not empty"));
+    assert_eq!(fs::read_dir(dest.join("d")).unwrap().count(), 2000);
 }

@@ -116,6 +116,12 @@ fn run_one(base: &[u8], seed: u64) -> Result<(), String> {
             drop(fs);
         }
         let _ = birchfs::check::check(&MemDev::from_image(dev.image()));
+        let out = tempfile::tempdir().expect("a temporary directory");
+        let _ = birchfs::restore::restore(
+            &MemDev::from_image(img.clone()),
+            &out.path().join("restored"),
+            &Default::default(),
+        );
         let _ = birchfs::check::check(&MemDev::from_image(img));
     }));
     r.map_err(|p| {

@@ -113,10 +113,11 @@ fn mount_serve(
     })?;
     let fs = Arc::new(Fs::open(Arc::new(dev), mo.fs.clone()).map_err(|e| {
         // A damaged node the mount itself needs (a tree's root, say): say where the
-        // rest of the damage is listed.
+        // rest of the damage is listed, and how to get the files out.
         let hint = match e {
             birchfs::Error::Corrupt { .. } => format!(
-                "; `birchfs check {}` lists every damaged block and what it breaks",
+                "; `birchfs check {0}` lists every damaged block and what it breaks, \
+                 and `birchfs restore {0} DIR` copies out every file it can still read",
                 image.display()
             ),
             _ => String::new(),

@@ -1,0 +1,554 @@
+//! Tests of restore against images damaged on purpose.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use zerocopy::{FromBytes, IntoBytes};
+
+use super::namespace::Namespace;
+use super::reader::read_image;
+use super::writer::{geteuid_is_root, make_dest, Writer};
+use super::*;
+use crate::dev::MemDev;
+use crate::format::{decode_node, kind, tree, InodeItem, Key, NodeBody, RootItem};
+use crate::fs::{SetAttr, TimeSet};
+use crate::txn::Store;
+use crate::{Creds, Fs, MkfsOptions, Options, ROOT_INO};
+
+fn content(i: usize) -> Vec<u8> {
+    (0..5000 + i * 37).map(|j| (i * 7 + j / 13) as u8).collect()
+}
+
+/// 300 files in /d, a hard link, a symlink, a FIFO, xattrs, a sparse file, a
+/// read-only directory with a file in it, and set times and owners.
+fn populated() -> Arc<MemDev> {
+    let dev = Arc::new(MemDev::new(64 << 20));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let c = Creds::default();
+    let d = fs.mkdir(ROOT_INO, b"d", 0o750, c).unwrap();
+    for i in 0..300 {
+        let f = fs
+            .mknod(d.ino, format!("f{i}").as_bytes(), 0o644, 0, c)
+            .unwrap();
+        fs.write(f.ino, 0, &content(i)).unwrap();
+    }
+    let f1 = fs.lookup_nopin(d.ino, b"f1").unwrap().ino;
+    fs.link(f1, ROOT_INO, b"hard").unwrap();
+    fs.symlink(ROOT_INO, b"sym", b"d/f1", c).unwrap();
+    fs.mknod(ROOT_INO, b"fifo", libc::S_IFIFO | 0o600, 0, c)
+        .unwrap();
+    fs.setxattr(f1, b"user.small", b"value", false, false)
+        .unwrap();
+    let big: Vec<u8> = (0..20_000).map(|i| (i % 251) as u8).collect();
+    fs.setxattr(f1, b"user.big", &big, false, false).unwrap();
+    let s = fs.mknod(ROOT_INO, b"sparse", 0o600, 0, c).unwrap();
+    fs.write(s.ino, 10 << 20, b"tail").unwrap();
+    let ro = fs.mkdir(ROOT_INO, b"ro", 0o755, c).unwrap();
+    let inner = fs.mknod(ro.ino, b"inner", 0o640, 0, c).unwrap();
+    fs.write(inner.ino, 0, b"inside").unwrap();
+    let when = std::time::UNIX_EPOCH + std::time::Duration::new(1_500_000_000, 123_456_789);
+    for ino in [inner.ino, ro.ino, d.ino] {
+        let set = SetAttr {
+            uid: Some(1234),
+            gid: Some(5678),
+            atime: Some(TimeSet::At(when)),
+            mtime: Some(TimeSet::At(when)),
+            ..Default::default()
+        };
+        fs.setattr(ino, &set).unwrap();
+    }
+    let set = SetAttr {
+        mode: Some(0o555),
+        ..Default::default()
+    };
+    fs.setattr(ro.ino, &set).unwrap();
+    fs.unmount().unwrap();
+    dev
+}
+
+fn run(dev: &MemDev, opts: &RestoreOptions) -> (tempfile::TempDir, PathBuf, Restored) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = tmp.path().join("out");
+    let rep = restore(dev, &dest, opts).unwrap();
+    (tmp, dest, rep)
+}
+
+/// The address of the fs tree's root node.
+fn fs_root(dev: &MemDev) -> (u64, u8) {
+    let sb = Store::read_super(dev).unwrap();
+    let mut buf = vec![0u8; sb.node_size as usize];
+    dev.read_at(&mut buf, sb.root_tree).unwrap();
+    let (_, body) = decode_node(&buf, sb.root_tree, &sb.fsid).unwrap();
+    let NodeBody::Leaf(items) = body else {
+        panic!("a root tree of one leaf")
+    };
+    let (_, v) = items
+        .iter()
+        .find(|(k, _)| k.ty == kind::ROOT_ITEM && k.objectid == tree::FS)
+        .unwrap();
+    let r = RootItem::read_from_bytes(v).unwrap();
+    (r.bytenr.get(), r.level)
+}
+
+/// Writes a leaf of the fs tree holding `items` at a free address near the end of
+/// the device, as a copy freed by a commit but not yet overwritten would be.
+fn plant(img: &mut [u8], generation: u64, items: Vec<(Key, Vec<u8>)>) -> u64 {
+    let sb = Store::read_super(&MemDev::from_image(img.to_vec())).unwrap();
+    let ns = sb.node_size as usize;
+    let addr = (img.len() - 4 * ns) as u64;
+    let h = crate::format::NodeHeader {
+        addr,
+        generation,
+        owner: tree::FS,
+        level: 0,
+    };
+    let node = crate::format::encode_node(&h, &NodeBody::Leaf(items), &sb.fsid, ns);
+    img[addr as usize..addr as usize + ns].copy_from_slice(&node);
+    addr
+}
+
+fn flip(dev: &MemDev, addr: u64) -> MemDev {
+    let mut img = dev.image();
+    img[addr as usize + 300] ^= 0x10;
+    MemDev::from_image(img)
+}
+
+#[test]
+fn a_clean_image_comes_back_whole() {
+    let dev = populated();
+    let (_t, out, rep) = run(&dev, &RestoreOptions::default());
+    assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+    assert_eq!(
+        (
+            rep.dirs,
+            rep.files,
+            rep.symlinks,
+            rep.specials,
+            rep.hard_links
+        ),
+        (2, 302, 1, 1, 1)
+    );
+    assert_eq!(
+        (rep.damaged_nodes, rep.bad_blocks, rep.unverified_blocks),
+        (0, 0, 0)
+    );
+    for i in 0..300 {
+        let got = std::fs::read(out.join(format!("d/f{i}"))).unwrap();
+        assert!(got == content(i), "d/f{i} differs");
+    }
+    let a = std::fs::metadata(out.join("hard")).unwrap();
+    let b = std::fs::metadata(out.join("d/f1")).unwrap();
+    assert_eq!((a.ino(), a.nlink()), (b.ino(), 2), "one file, two names");
+    assert_eq!(
+        std::fs::read_link(out.join("sym")).unwrap(),
+        Path::new("d/f1")
+    );
+    let fifo = std::fs::symlink_metadata(out.join("fifo")).unwrap();
+    assert!(fifo.file_type().is_fifo());
+    assert_eq!(fifo.permissions().mode() & 0o7777, 0o600);
+    let sparse = std::fs::metadata(out.join("sparse")).unwrap();
+    assert_eq!(sparse.len(), (10 << 20) + 4);
+    assert!(
+        sparse.blocks() < 64,
+        "holes stay holes: {}",
+        sparse.blocks()
+    );
+    assert_eq!(
+        std::fs::read(out.join("sparse")).unwrap()[10 << 20..],
+        *b"tail"
+    );
+    let x = |name: &str| {
+        let p = CString::new(out.join("d/f1").as_os_str().as_bytes()).unwrap();
+        let n = CString::new(name).unwrap();
+        let mut v = vec![0u8; 65536];
+        // SAFETY: valid C strings and a buffer of the given length.
+        let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), v.as_mut_ptr().cast(), v.len()) };
+        v.truncate(r.max(0) as usize);
+        v
+    };
+    assert_eq!(x("user.small"), b"value");
+    // Attributes are set after the contents: a read-only directory holds its file,
+    // and directories keep their times.
+    let ro = std::fs::metadata(out.join("ro")).unwrap();
+    assert_eq!(ro.permissions().mode() & 0o7777, 0o555);
+    assert_eq!(std::fs::read(out.join("ro/inner")).unwrap(), b"inside");
+    for p in ["ro", "ro/inner", "d"] {
+        let m = std::fs::metadata(out.join(p)).unwrap();
+        assert_eq!(
+            (m.mtime(), m.mtime_nsec()),
+            (1_500_000_000, 123_456_789),
+            "{p}"
+        );
+        if geteuid_is_root() {
+            assert_eq!((m.uid(), m.gid()), (1234, 5678), "{p}");
+        }
+    }
+    assert_eq!(
+        std::fs::metadata(out.join("d"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777,
+        0o750
+    );
+}
+
+/// A value too large for one item is put together from its chunks (ext4, where
+/// the tests restore to, takes no value that large, so this reads it only).
+#[test]
+fn a_chunked_xattr_value_is_put_together() {
+    let dev = populated();
+    let fs = Fs::open(
+        dev.clone(),
+        Options {
+            readonly: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let f1 = fs.resolve("/d/f1").unwrap().ino;
+    drop(fs);
+    let img = read_image(dev.as_ref(), &RestoreOptions::default()).unwrap();
+    let e = img.ns.xattrs[&f1]
+        .iter()
+        .find(|e| e.name == b"user.big")
+        .unwrap()
+        .clone();
+    assert!(e.chunks.is_some(), "stored in chunks");
+    let want: Vec<u8> = (0..20_000).map(|i| (i % 251) as u8).collect();
+    assert!(img.ns.xattr_value(f1, &e) == Some(want));
+    let mut ns = img.ns;
+    ns.chunks.retain(|&(ino, _), _| ino != f1);
+    assert_eq!(ns.xattr_value(f1, &e), None, "a lost chunk loses the value");
+}
+
+#[test]
+fn the_destination_must_be_new_or_empty() {
+    let dev = populated();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("x"), b"keep").unwrap();
+    let err = restore(dev.as_ref(), tmp.path(), &RestoreOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("not empty"), "{err}");
+    assert_eq!(std::fs::read(tmp.path().join("x")).unwrap(), b"keep");
+    // An empty directory is fine.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let rep = restore(dev.as_ref(), &empty, &RestoreOptions::default()).unwrap();
+    assert_eq!(rep.files, 302);
+}
+
+/// The fs tree's root lost after deletes and creates: every file is restored
+/// from the live leaves under it, and none of the deleted files come back.
+#[test]
+fn a_damaged_fs_root_loses_no_file_and_revives_none() {
+    let dev = populated();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let d = fs.resolve("/d").unwrap().ino;
+    for i in 0..50 {
+        let g = fs
+            .mknod(d, format!("g{i}").as_bytes(), 0o644, 0, Creds::default())
+            .unwrap();
+        fs.write(g.ino, 0, format!("new {i}").as_bytes()).unwrap();
+    }
+    fs.unmount().unwrap();
+    // Deletes alone in the last session: the leaves that held those files are
+    // freed by its one commit, and nothing overwrites them after it.
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    for i in 150..300 {
+        fs.unlink(d, format!("f{i}").as_bytes()).unwrap();
+    }
+    fs.unmount().unwrap();
+    let (root, level) = fs_root(&dev);
+    assert!(level >= 1, "the fs tree has more than one leaf");
+    // A freed leaf of a file deleted long ago, left on the device: not allocated,
+    // so it must not come back (its keys are past every live leaf's).
+    let mut img = dev.image();
+    let ghost = InodeItem {
+        mode: (libc::S_IFREG | 0o644).into(),
+        nlink: 1.into(),
+        ..Default::default()
+    };
+    let refs = crate::format::encode_inode_refs(&[crate::format::InodeRef {
+        index: 9999,
+        name: b"ghost".to_vec(),
+    }]);
+    plant(
+        &mut img,
+        2,
+        vec![
+            (
+                Key::new(1 << 40, kind::INODE_ITEM, 0),
+                ghost.as_bytes().to_vec(),
+            ),
+            (Key::new(1 << 40, kind::INODE_REF, d), refs),
+        ],
+    );
+    let dev = Arc::new(MemDev::from_image(img));
+    let bad = Arc::new(flip(&dev, root));
+    assert!(Fs::open(bad.clone(), Options::default()).is_err());
+    let (_t, out, rep) = run(&bad, &RestoreOptions::default());
+    assert_eq!(rep.problems.len(), 1, "{:#?}", rep.problems);
+    assert!(
+        rep.problems[0].contains(&format!("{root:#x}"))
+            && rep.problems[0].contains("stand in for it"),
+        "{:#?}",
+        rep.problems
+    );
+    assert_eq!(rep.damaged_nodes, 1);
+    let mut names: Vec<String> = std::fs::read_dir(out.join("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    let mut want: Vec<String> = (0..150)
+        .map(|i| format!("f{i}"))
+        .chain((0..50).map(|i| format!("g{i}")))
+        .collect();
+    want.sort();
+    assert_eq!(names, want);
+    for i in 0..150 {
+        assert!(std::fs::read(out.join(format!("d/f{i}"))).unwrap() == content(i));
+    }
+    assert_eq!(std::fs::read(out.join("d/g7")).unwrap(), b"new 7");
+    assert!(std::fs::read(out.join("hard")).unwrap() == content(1));
+    assert_eq!(rep.lost_found, 0, "deleted files come back from nowhere");
+}
+
+#[test]
+fn a_damaged_root_tree_loses_no_file() {
+    let dev = populated();
+    let sb = Store::read_super(dev.as_ref()).unwrap();
+    let bad = flip(&dev, sb.root_tree);
+    let (_t, out, rep) = run(&bad, &RestoreOptions::default());
+    assert!(
+        rep.problems[0].contains(&format!(
+            "root tree: corrupt tree node at {:#x}",
+            sb.root_tree
+        )),
+        "{:#?}",
+        rep.problems
+    );
+    assert_eq!((rep.files, rep.dirs, rep.hard_links), (302, 2, 1));
+    assert_eq!((rep.bad_blocks, rep.lost_found), (0, 0));
+    for i in 0..300 {
+        assert!(std::fs::read(out.join(format!("d/f{i}"))).unwrap() == content(i));
+    }
+}
+
+/// A lost leaf costs only what it held: every file whose items lie elsewhere is
+/// restored with its name (from its inode ref when the directory's entries went).
+#[test]
+fn a_damaged_leaf_costs_only_its_own_keys() {
+    let dev = populated();
+    let (root, _) = fs_root(&dev);
+    let sb = Store::read_super(dev.as_ref()).unwrap();
+    let mut buf = vec![0u8; sb.node_size as usize];
+    dev.read_at(&mut buf, root).unwrap();
+    let NodeBody::Internal(ptrs) = decode_node(&buf, root, &sb.fsid).unwrap().1 else {
+        panic!("an internal root")
+    };
+    // A leaf in the middle, and the objectids it may hold items of.
+    let i = ptrs.len() / 2;
+    let (lo, leaf, hi) = (ptrs[i].0.objectid, ptrs[i].1, ptrs[i + 1].0.objectid);
+    let fs = Fs::open(
+        dev.clone(),
+        Options {
+            readonly: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let inos: Vec<u64> = (0..300)
+        .map(|i| fs.resolve(&format!("/d/f{i}")).unwrap().ino)
+        .collect();
+    drop(fs);
+    let (_t, out, rep) = run(&flip(&dev, leaf), &RestoreOptions::default());
+    assert!(
+        rep.problems[0].contains(&format!("fs tree: corrupt tree node at {leaf:#x}")),
+        "{:#?}",
+        rep.problems
+    );
+    let mut outside = 0;
+    for (i, ino) in inos.iter().enumerate() {
+        if (lo..=hi).contains(ino) {
+            continue;
+        }
+        outside += 1;
+        let p = out.join(format!("d/f{i}"));
+        assert!(
+            std::fs::read(&p).is_ok_and(|c| c == content(i)),
+            "{} missing or wrong; {:#?}",
+            p.display(),
+            rep.problems
+        );
+    }
+    assert!(outside > 200, "{outside}");
+    assert!(outside < 300, "the leaf held some of them");
+
+    // With a copy of the lost leaf left from an older generation, that copy
+    // stands in for it and nothing is lost.
+    let mut img = dev.image();
+    let mut buf = vec![0u8; sb.node_size as usize];
+    dev.read_at(&mut buf, leaf).unwrap();
+    let (h, NodeBody::Leaf(items)) = decode_node(&buf, leaf, &sb.fsid).unwrap() else {
+        panic!("a leaf")
+    };
+    let copy = plant(&mut img, h.generation - 1, items);
+    img[leaf as usize + 300] ^= 0x10;
+    let (_t, out, rep) = run(&MemDev::from_image(img), &RestoreOptions::default());
+    assert!(
+        rep.problems[0].contains("older copies of its keys"),
+        "{copy:#x}: {:#?}",
+        rep.problems
+    );
+    for i in 0..300 {
+        let p = out.join(format!("d/f{i}"));
+        assert!(
+            std::fs::read(&p).is_ok_and(|c| c == content(i)),
+            "{}",
+            p.display()
+        );
+    }
+    assert_eq!((rep.files, rep.lost_found), (302, 0));
+}
+
+#[test]
+fn a_damaged_data_block_is_written_as_read_and_named() {
+    let dev = populated();
+    let fs = Fs::open(
+        dev.clone(),
+        Options {
+            readonly: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ino = fs.resolve("/d/f7").unwrap().ino;
+    let addr = fs.extent_map(ino).unwrap()[0].disk_addr;
+    drop(fs);
+    let mut img = dev.image();
+    img[addr as usize + 4096 + 10] ^= 1;
+    let (_t, out, rep) = run(&MemDev::from_image(img), &RestoreOptions::default());
+    assert_eq!(rep.bad_blocks, 1);
+    assert_eq!(rep.problems.len(), 1, "{:#?}", rep.problems);
+    assert!(
+        rep.problems[0]
+            .contains("d/f7: 1 data blocks fail their checksums (the first at offset 4096)"),
+        "{:#?}",
+        rep.problems
+    );
+    let mut want = content(7);
+    want[4096 + 10] ^= 1;
+    assert!(std::fs::read(out.join("d/f7")).unwrap() == want);
+    assert!(std::fs::read(out.join("d/f8")).unwrap() == content(8));
+}
+
+#[test]
+fn restores_a_snapshot_as_it_was() {
+    let dev = populated();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    fs.snapshot_create(b"before").unwrap();
+    let f = fs.resolve("/d/f3").unwrap().ino;
+    fs.write(f, 0, b"changed").unwrap();
+    fs.unlink(fs.resolve("/d").unwrap().ino, b"f4").unwrap();
+    fs.unmount().unwrap();
+    let snap = RestoreOptions {
+        snapshot: Some(b"before".to_vec()),
+    };
+    let (_t, out, rep) = run(&dev, &snap);
+    assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+    assert!(std::fs::read(out.join("d/f3")).unwrap() == content(3));
+    assert!(std::fs::read(out.join("d/f4")).unwrap() == content(4));
+    let (_t2, live, _) = run(&dev, &RestoreOptions::default());
+    assert_eq!(std::fs::read(live.join("d/f3")).unwrap()[..7], *b"changed");
+    assert!(!live.join("d/f4").exists());
+    let tmp = tempfile::tempdir().unwrap();
+    let none = RestoreOptions {
+        snapshot: Some(b"nope".to_vec()),
+    };
+    let err = restore(dev.as_ref(), &tmp.path().join("x"), &none).unwrap_err();
+    assert!(
+        err.to_string().contains("before"),
+        "lists the snapshots: {err}"
+    );
+}
+
+/// Unnamed inodes go to lost+found; names that are no path component are refused.
+#[test]
+fn nameless_inodes_go_to_lost_and_found_and_hostile_names_are_skipped() {
+    let inode = |mode: u32| InodeItem {
+        mode: mode.into(),
+        nlink: 1.into(),
+        ..Default::default()
+    };
+    let ent = |ino: u64, name: &[u8]| crate::format::DirEntry {
+        ino,
+        dtype: libc::DT_REG,
+        index: 2,
+        name: name.to_vec(),
+    };
+    let mut items = vec![
+        (
+            Key::new(256, kind::INODE_ITEM, 0),
+            inode(libc::S_IFDIR | 0o755).as_bytes().to_vec(),
+        ),
+        (
+            Key::new(300, kind::INODE_ITEM, 0),
+            inode(libc::S_IFREG | 0o644).as_bytes().to_vec(),
+        ),
+        (
+            Key::new(301, kind::INODE_ITEM, 0),
+            inode(libc::S_IFDIR | 0o755).as_bytes().to_vec(),
+        ),
+        (
+            Key::new(302, kind::INODE_ITEM, 0),
+            inode(libc::S_IFREG | 0o644).as_bytes().to_vec(),
+        ),
+        (
+            Key::new(303, kind::INODE_ITEM, 0),
+            inode(libc::S_IFREG | 0o644).as_bytes().to_vec(),
+        ),
+    ];
+    for (dir, e) in [
+        (256, ent(302, b"..")),
+        (256, ent(303, b"a/b")),
+        (301, ent(302, b"kept")),
+    ] {
+        items.push((
+            Key::new(dir, kind::DIR_INDEX, 2),
+            crate::format::encode_dir_entries(&[e]),
+        ));
+    }
+    let mut rep = Restored::default();
+    let ns = Namespace::build(items, &mut rep);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    make_dest(&out).unwrap();
+    let dev = MemDev::new(1 << 20);
+    let csums = BTreeMap::new();
+    let mut w = Writer::new(&dev, 1 << 20, &ns, &csums, rep);
+    w.run(&out);
+    assert!(!tmp.path().join("b").exists() && !out.join("a").exists());
+    assert!(out.join("lost+found/#300").is_file());
+    assert!(
+        out.join("lost+found/#301/kept").is_file(),
+        "a lost directory keeps what it holds"
+    );
+    assert!(out.join("lost+found/#303").is_file());
+    assert_eq!(w.rep.lost_found, 3);
+    assert!(
+        w.rep.problems.iter().any(|p| p.contains("\"..\"")),
+        "{:#?}",
+        w.rep.problems
+    );
+    assert!(
+        w.rep.problems.iter().any(|p| p.contains("\"a/b\"")),
+        "{:#?}",
+        w.rep.problems
+    );
+}

@@ -1,0 +1,398 @@
+//! Writing a restored namespace out into a directory.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::{CString, OsStr};
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use super::namespace::Namespace;
+use super::Restored;
+use crate::dev::BlockDev;
+use crate::error::{Error, Result};
+use crate::format::{
+    objectid, InodeItem, Timespec, BLOCK_SIZE, FILE_EXTENT_REG, NAME_MAX, SYMLINK_MAX,
+};
+
+/// Creates `dest`, or checks that it is an empty directory.
+pub(super) fn make_dest(dest: &Path) -> Result<()> {
+    match std::fs::create_dir(dest) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            if std::fs::read_dir(dest)?.next().is_some() {
+                return Err(Error::Io(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} is not empty", dest.display()),
+                )));
+            }
+            Ok(())
+        }
+        Err(e) => Err(Error::Io(io::Error::new(
+            e.kind(),
+            format!("cannot create {}: {e}", dest.display()),
+        ))),
+    }
+}
+
+pub(super) fn geteuid_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Writes a namespace out under the destination.
+pub(super) struct Writer<'a> {
+    dev: &'a dyn BlockDev,
+    total_bytes: u64,
+    ns: &'a Namespace,
+    csums: &'a BTreeMap<u64, Vec<u8>>,
+    pub(super) rep: Restored,
+    /// Inode -> where it was first written.
+    placed: HashMap<u64, PathBuf>,
+    /// Directories made, in order, for their attributes at the end.
+    dirs: Vec<(u64, PathBuf)>,
+    /// Directories whose entries are still to write.
+    stack: Vec<(u64, PathBuf)>,
+    /// Whether owners can be set.
+    root: bool,
+}
+
+impl<'a> Writer<'a> {
+    /// A writer of `ns`, whose data is on `dev`.
+    pub(super) fn new(
+        dev: &'a dyn BlockDev,
+        total_bytes: u64,
+        ns: &'a Namespace,
+        csums: &'a BTreeMap<u64, Vec<u8>>,
+        rep: Restored,
+    ) -> Writer<'a> {
+        Writer {
+            dev,
+            total_bytes,
+            ns,
+            csums,
+            rep,
+            placed: HashMap::new(),
+            dirs: Vec::new(),
+            stack: Vec::new(),
+            root: geteuid_is_root(),
+        }
+    }
+
+    pub(super) fn run(&mut self, dest: &Path) {
+        match self.ns.inodes.get(&objectid::ROOT_DIR) {
+            Some(_) => {}
+            None => self
+                .rep
+                .problem("the root directory's inode is lost; its attributes are not set".into()),
+        }
+        self.placed.insert(objectid::ROOT_DIR, dest.to_path_buf());
+        self.dirs.push((objectid::ROOT_DIR, dest.to_path_buf()));
+        self.stack.push((objectid::ROOT_DIR, dest.to_path_buf()));
+        self.drain();
+        self.lost_and_found(dest);
+        // Directories' attributes last (their children changed their times), deepest
+        // first (a read-only directory would refuse the ones below it).
+        for (ino, p) in std::mem::take(&mut self.dirs).into_iter().rev() {
+            if let Some(i) = self.ns.inodes.get(&ino) {
+                self.attrs(&p, ino, i, false);
+            }
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Some((dir, path)) = self.stack.pop() {
+            let Some(entries) = self.ns.entries.get(&dir) else {
+                continue;
+            };
+            for (name, &ino) in entries {
+                if !name_ok(name) {
+                    self.rep.problem(format!(
+                        "{}: entry {:?} is no valid name; skipped",
+                        path.display(),
+                        String::from_utf8_lossy(name)
+                    ));
+                    continue;
+                }
+                self.place(ino, &path.join(OsStr::from_bytes(name)));
+            }
+        }
+    }
+
+    /// Inodes nothing readable names, under `lost+found/#INO`: directories no other
+    /// lost directory holds first (with what they hold), then the rest.
+    fn lost_and_found(&mut self, dest: &Path) {
+        let ns = self.ns;
+        let lost = |w: &Self, ino: &u64| {
+            *ino != objectid::ROOT_DIR && !w.placed.contains_key(ino) && !ns.orphans.contains(ino)
+        };
+        let lost_dirs: Vec<u64> = ns
+            .inodes
+            .iter()
+            .filter(|(ino, i)| lost(self, ino) && is_dir(i))
+            .map(|(&ino, _)| ino)
+            .collect();
+        let held: HashSet<u64> = lost_dirs
+            .iter()
+            .filter_map(|d| ns.entries.get(d))
+            .flat_map(|e| e.values().copied())
+            .collect();
+        let order: Vec<u64> = lost_dirs
+            .iter()
+            .filter(|d| !held.contains(d))
+            .chain(lost_dirs.iter().filter(|d| held.contains(d)))
+            .chain(
+                ns.inodes
+                    .iter()
+                    .filter(|(_, i)| !is_dir(i))
+                    .map(|(ino, _)| ino),
+            )
+            .copied()
+            .collect();
+        let lf = dest.join("lost+found");
+        for ino in order {
+            if !lost(self, &ino) {
+                continue;
+            }
+            if !lf.is_dir() {
+                if let Err(e) = std::fs::create_dir(&lf) {
+                    self.rep.problem(format!(
+                        "cannot create {}: {e}; lost inodes not restored",
+                        lf.display()
+                    ));
+                    return;
+                }
+            }
+            self.rep.lost_found += 1;
+            let p = lf.join(format!("#{ino}"));
+            self.rep.problem(format!(
+                "inode {ino}: no name left; restored as {}",
+                p.display()
+            ));
+            self.place(ino, &p);
+            self.drain();
+        }
+    }
+
+    /// Makes inode `ino` at `p`.
+    fn place(&mut self, ino: u64, p: &Path) {
+        let ns = self.ns;
+        let Some(inode) = ns.inodes.get(&ino) else {
+            self.rep.problem(format!(
+                "{}: its inode {ino} is lost; not restored",
+                p.display()
+            ));
+            return;
+        };
+        if let Some(first) = self.placed.get(&ino).cloned() {
+            if is_dir(inode) {
+                self.rep.problem(format!(
+                    "{}: directory {ino} is already restored as {}; skipped",
+                    p.display(),
+                    first.display()
+                ));
+                return;
+            }
+            match std::fs::hard_link(&first, p) {
+                Ok(()) => self.rep.hard_links += 1,
+                Err(e) => self
+                    .rep
+                    .problem(format!("{}: cannot link: {e}", p.display())),
+            }
+            return;
+        }
+        let made = match inode.mode.get() & libc::S_IFMT {
+            libc::S_IFDIR => std::fs::create_dir(p).map(|()| {
+                self.rep.dirs += 1;
+                self.dirs.push((ino, p.to_path_buf()));
+                self.stack.push((ino, p.to_path_buf()));
+            }),
+            libc::S_IFREG => self.write_file(p, ino, inode).map(|()| self.rep.files += 1),
+            libc::S_IFLNK => match ns.symlinks.get(&ino) {
+                Some(t) if !t.is_empty() && t.len() <= SYMLINK_MAX && !t.contains(&0) => {
+                    std::os::unix::fs::symlink(OsStr::from_bytes(t), p)
+                        .map(|()| self.rep.symlinks += 1)
+                }
+                _ => {
+                    self.rep.problem(format!(
+                        "{}: symlink {ino} has lost its target; not restored",
+                        p.display()
+                    ));
+                    return;
+                }
+            },
+            libc::S_IFCHR | libc::S_IFBLK | libc::S_IFIFO | libc::S_IFSOCK => {
+                mknod(p, inode.mode.get(), inode.rdev.get()).map(|()| self.rep.specials += 1)
+            }
+            m => {
+                self.rep.problem(format!(
+                    "{}: inode {ino} has unknown type {m:#o}; not restored",
+                    p.display()
+                ));
+                return;
+            }
+        };
+        match made {
+            Ok(()) => {
+                self.placed.insert(ino, p.to_path_buf());
+                if !is_dir(inode) {
+                    self.attrs(
+                        p,
+                        ino,
+                        inode,
+                        inode.mode.get() & libc::S_IFMT == libc::S_IFLNK,
+                    );
+                }
+            }
+            Err(e) => self
+                .rep
+                .problem(format!("{}: cannot create: {e}", p.display())),
+        }
+    }
+
+    /// Writes a regular file's data, checking each block.
+    fn write_file(&mut self, p: &Path, ino: u64, inode: &InodeItem) -> io::Result<()> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(p)?;
+        let size = inode.size.get();
+        let (mut bad, mut first_bad) = (0u64, None);
+        for &(off, fe) in self.ns.extents.get(&ino).map(Vec::as_slice).unwrap_or(&[]) {
+            if fe.kind != FILE_EXTENT_REG || off >= size {
+                continue;
+            }
+            let n = fe.num_bytes.get().min(size - off);
+            let disk = fe.disk_bytenr.get().checked_add(fe.offset.get());
+            let Some(disk) =
+                disk.filter(|d| d.checked_add(n).is_some_and(|e| e <= self.total_bytes))
+            else {
+                self.rep.problem(format!(
+                    "{}: extent at offset {off} points outside the device; left a hole",
+                    p.display()
+                ));
+                continue;
+            };
+            // Whole blocks, a MiB at a time, so each can be checked.
+            let (a0, a1) = (
+                disk / BLOCK_SIZE * BLOCK_SIZE,
+                (disk + n).next_multiple_of(BLOCK_SIZE),
+            );
+            let mut at = a0;
+            while at < a1 {
+                let len = (a1 - at).min(1 << 20);
+                let mut buf = vec![0u8; len as usize];
+                if let Err(e) = self.dev.read_at(&mut buf, at) {
+                    self.rep.problem(format!(
+                        "{}: read error at device {at:#x}: {e}; left a hole",
+                        p.display()
+                    ));
+                    at += len;
+                    continue;
+                }
+                for (i, blk) in buf.chunks(BLOCK_SIZE as usize).enumerate() {
+                    let b = at + i as u64 * BLOCK_SIZE;
+                    match self.csum_of(b) {
+                        None => self.rep.unverified_blocks += 1,
+                        Some(c) if c == crate::format::csum(blk) => {}
+                        Some(_) => {
+                            bad += 1;
+                            first_bad.get_or_insert(off + b.max(disk) - disk);
+                        }
+                    }
+                }
+                let (s, e) = (at.max(disk), (at + len).min(disk + n));
+                f.write_all_at(&buf[(s - at) as usize..(e - at) as usize], off + (s - disk))?;
+                self.rep.bytes += e - s;
+                at += len;
+            }
+        }
+        f.set_len(size)?;
+        if bad > 0 {
+            self.rep.bad_blocks += bad;
+            self.rep.problem(format!(
+                "{}: {bad} data blocks fail their checksums (the first at offset {}); written as read",
+                p.display(),
+                first_bad.unwrap_or(0)
+            ));
+        }
+        Ok(())
+    }
+
+    fn csum_of(&self, block: u64) -> Option<u32> {
+        let (&start, sums) = self.csums.range(..=block).next_back()?;
+        let i = ((block - start) / BLOCK_SIZE) as usize;
+        let c = sums.get(i * 4..i * 4 + 4)?;
+        Some(u32::from_le_bytes(c.try_into().ok()?))
+    }
+
+    /// Extended attributes, owner, permissions and times of `p`.
+    fn attrs(&mut self, p: &Path, ino: u64, inode: &InodeItem, symlink: bool) {
+        let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+            return;
+        };
+        for e in self.ns.xattrs.get(&ino).map(Vec::as_slice).unwrap_or(&[]) {
+            let (Some(v), Ok(n)) = (self.ns.xattr_value(ino, e), CString::new(e.name.clone()))
+            else {
+                self.rep.problem(format!(
+                    "{}: xattr {:?} lost its value; not restored",
+                    p.display(),
+                    String::from_utf8_lossy(&e.name)
+                ));
+                continue;
+            };
+            // SAFETY: valid C strings and a buffer of the given length.
+            let r =
+                unsafe { libc::lsetxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+            if r != 0 {
+                self.rep.attrs_refused += 1;
+            }
+        }
+        // SAFETY: a valid C string.
+        if self.root && unsafe { libc::lchown(c.as_ptr(), inode.uid.get(), inode.gid.get()) } != 0 {
+            self.rep.attrs_refused += 1;
+        }
+        if !symlink {
+            // SAFETY: a valid C string.
+            unsafe { libc::chmod(c.as_ptr(), (inode.mode.get() & 0o7777) as libc::mode_t) };
+        }
+        let ts = |t: Timespec| libc::timespec {
+            tv_sec: t.sec.get(),
+            tv_nsec: t.nsec.get().min(999_999_999) as _,
+        };
+        let times = [ts(inode.atime), ts(inode.mtime)];
+        // SAFETY: a valid C string and two timespecs.
+        unsafe {
+            libc::utimensat(
+                libc::AT_FDCWD,
+                c.as_ptr(),
+                times.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+    }
+}
+
+fn is_dir(i: &InodeItem) -> bool {
+    i.mode.get() & libc::S_IFMT == libc::S_IFDIR
+}
+
+/// Whether `name` can be one path component.
+fn name_ok(name: &[u8]) -> bool {
+    !name.is_empty()
+        && name.len() <= NAME_MAX
+        && name != b"."
+        && name != b".."
+        && !name.contains(&b'/')
+        && !name.contains(&0)
+}
+
+fn mknod(p: &Path, mode: u32, rdev: u64) -> io::Result<()> {
+    let c = CString::new(p.as_os_str().as_bytes())?;
+    // SAFETY: a valid C string.
+    if unsafe { libc::mknod(c.as_ptr(), mode as libc::mode_t, rdev as libc::dev_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
