@@ -607,12 +607,11 @@ fn run() -> Result<ExitCode> {
                             dest.display()
                         );
                     }
-                    if rep.pending_log_batches > 0 {
+                    if rep.log_batches > 0 {
                         eprintln!(
-                            "note: the log holds {} fsynced batches after the last commit, \
-                             which restore does not read; if the image mounts, mount and \
-                             unmount it once, then restore again, to include them",
-                            rep.pending_log_batches
+                            "note: {} fsynced log batches after the last commit were replayed \
+                             on top of it, as a mount would",
+                            rep.log_batches
                         );
                     }
                     if rep.problems.is_empty() {

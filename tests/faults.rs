@@ -663,6 +663,42 @@ fn concurrent_reads_and_writes_on_a_loop_device_with_a_small_cache_match_a_model
     m.unmount();
 }
 
+/// The daemon killed after fsyncs: restore, without a mount, replays the log as a
+/// mount would and gets every fsynced file back.
+#[test]
+fn restore_after_kill_9_has_every_fsynced_file() {
+    let mut m = Mount::with_options(&["commit=0"]);
+    fs::create_dir(m.path("d")).unwrap();
+    for i in 0..50 {
+        let mut f = fs::File::create(m.path(format!("d/f{i}"))).unwrap();
+        f.write_all(format!("fsynced {i}").repeat(1000).as_bytes())
+            .unwrap();
+        f.sync_all().unwrap();
+    }
+    fs::File::open(m.path("d")).unwrap().sync_all().unwrap();
+    m.kill_daemon();
+    let dest = m.host_dir().join("restored");
+    let out = birchfs([
+        "restore",
+        m.image().to_str().unwrap(),
+        dest.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("log batches after the last commit were replayed"),
+        "{}",
+        describe(&out)
+    );
+    for i in 0..50 {
+        assert_eq!(
+            fs::read(dest.join(format!("d/f{i}"))).unwrap(),
+            format!("fsynced {i}").repeat(1000).as_bytes(),
+            "f{i}"
+        );
+    }
+}
+
 #[test]
 fn a_damaged_root_node_refuses_the_mount_and_restore_gets_the_files_back() {
     let mut m = Mount::new();

@@ -15,8 +15,8 @@
 //! keep of themselves (inode refs), so a file whose entry was lost keeps its name when
 //! its ref survived; an inode nothing names goes to `lost+found/#INO`. Data blocks are
 //! checked against the checksum tree; a block that fails is written as read and its
-//! file is listed. Restore reads the last commit: fsyncs since then, which a mount
-//! would replay from the log, are counted, not restored.
+//! file is listed. The fsyncs since the last commit are replayed from the log on top
+//! of it, as a mount does (not for a snapshot, which the log never changes).
 
 mod namespace;
 mod reader;
@@ -64,8 +64,8 @@ pub struct Restored {
     pub unverified_blocks: u64,
     /// Owners and extended attributes that the destination refused.
     pub attrs_refused: u64,
-    /// Fsynced log batches after the last commit, which restore does not read.
-    pub pending_log_batches: usize,
+    /// Fsynced log batches after the last commit, replayed on top of it.
+    pub log_batches: usize,
 }
 
 impl Restored {

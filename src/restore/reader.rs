@@ -12,7 +12,11 @@ use crate::format::{
     decode_node, kind, objectid, tree, ExtentItem, Key, NodeBody, RootItem, SnapshotItem,
     Superblock, BLOCK_SIZE, EXTENT_FLAG_TREE,
 };
+use crate::log::LogOp;
 use crate::txn::Store;
+
+/// A tree's items, in key order.
+type Items = Vec<(Key, Vec<u8>)>;
 
 /// A leaf found intact by the device scan.
 #[derive(Debug, Clone, Copy)]
@@ -405,14 +409,16 @@ pub(super) fn read_image(dev: &dyn BlockDev, opts: &RestoreOptions) -> Result<Im
     let fs_items = whole(&mut rd, &label, tree::FS, root);
     let csum_root = roots.get(&tree::CSUM).copied().filter(|_| root_tree_whole);
     let csum_items = whole(&mut rd, "checksum tree", tree::CSUM, csum_root);
+    let (fs_items, csum_items) = if opts.snapshot.is_none() {
+        replay_log(dev, &sb, fs_items, csum_items, &mut rd.rep)
+    } else {
+        (fs_items, csum_items)
+    };
     let mut csums: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
     for (k, v) in csum_items {
         if k.objectid == objectid::CSUM && k.ty == kind::EXTENT_CSUM && v.len() % 4 == 0 {
             csums.insert(k.offset, v);
         }
-    }
-    if let Ok((b, _)) = crate::fs::log_batches(dev, &sb, sb.generation + 1) {
-        rd.rep.pending_log_batches = b.len();
     }
     let TreeReader { mut rep, .. } = rd;
     let ns = Namespace::build(fs_items, &mut rep);
@@ -422,4 +428,49 @@ pub(super) fn read_image(dev: &dyn BlockDev, opts: &RestoreOptions) -> Result<Im
         total_bytes: sb.total_bytes,
         rep,
     })
+}
+
+/// The fs and checksum trees' items with the fsyncs since the last commit applied, as
+/// a mount replays them: the log holds every item change to those trees, in order.
+fn replay_log(
+    dev: &dyn BlockDev,
+    sb: &Superblock,
+    fs_items: Items,
+    csum_items: Items,
+    rep: &mut Restored,
+) -> (Items, Items) {
+    let batches = match crate::fs::log_batches(dev, sb, sb.generation + 1) {
+        Ok((b, _)) if !b.is_empty() => b,
+        Ok(_) => return (fs_items, csum_items),
+        Err(e) => {
+            rep.problem(format!(
+                "log area cannot be read: {e}; the fsyncs since the last commit are not restored"
+            ));
+            return (fs_items, csum_items);
+        }
+    };
+    let mut fs: BTreeMap<Key, Vec<u8>> = fs_items.into_iter().collect();
+    let mut cs: BTreeMap<Key, Vec<u8>> = csum_items.into_iter().collect();
+    for op in batches.iter().flatten() {
+        match op {
+            LogOp::Insert { tree: t, key, val } => {
+                let to = match *t {
+                    tree::FS => &mut fs,
+                    tree::CSUM => &mut cs,
+                    _ => continue,
+                };
+                to.insert(*key, val.clone());
+            }
+            LogOp::Delete { tree: t, key } => {
+                match *t {
+                    tree::FS => fs.remove(key),
+                    tree::CSUM => cs.remove(key),
+                    _ => None,
+                };
+            }
+            LogOp::DataRef { .. } => {}
+        }
+    }
+    rep.log_batches = batches.len();
+    (fs.into_iter().collect(), cs.into_iter().collect())
 }

@@ -319,6 +319,51 @@ fn a_damaged_fs_root_loses_no_file_and_revives_none() {
     assert_eq!(rep.lost_found, 0, "deleted files come back from nowhere");
 }
 
+/// After a crash the fsyncs since the last commit are in the log: restore replays
+/// them as a mount does (new files, a removal), also when the fs tree's root is lost.
+#[test]
+fn fsyncs_since_the_last_commit_are_replayed() {
+    let dev = populated();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let d = fs.resolve("/d").unwrap().ino;
+    for i in 0..3 {
+        let f = fs
+            .mknod(
+                ROOT_INO,
+                format!("new{i}").as_bytes(),
+                0o644,
+                0,
+                Creds::default(),
+            )
+            .unwrap();
+        fs.write(f.ino, 0, format!("fsynced {i}").as_bytes())
+            .unwrap();
+        fs.fsync(f.ino, false).unwrap();
+    }
+    fs.unlink(d, b"f5").unwrap();
+    fs.fsync(d, false).unwrap();
+    let crashed = MemDev::from_image(dev.image());
+    drop(fs);
+    let (root, _) = fs_root(&crashed);
+    for (img, damaged) in [
+        (crashed.image(), false),
+        (flip(&crashed, root).image(), true),
+    ] {
+        let (_t, out, rep) = run(&MemDev::from_image(img), &RestoreOptions::default());
+        assert_eq!(rep.problems.len(), damaged as usize, "{:#?}", rep.problems);
+        assert!(rep.log_batches >= 1, "{rep:?}");
+        assert_eq!(rep.unverified_blocks, 0, "the log's checksums came along");
+        for i in 0..3 {
+            assert_eq!(
+                std::fs::read(out.join(format!("new{i}"))).unwrap(),
+                format!("fsynced {i}").as_bytes()
+            );
+        }
+        assert!(!out.join("d/f5").exists(), "the fsynced unlink is replayed");
+        assert!(std::fs::read(out.join("d/f6")).unwrap() == content(6));
+    }
+}
+
 #[test]
 fn a_damaged_root_tree_loses_no_file() {
     let dev = populated();
