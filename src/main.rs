@@ -560,6 +560,17 @@ fn run() -> Result<ExitCode> {
                             rep.pending_log_batches
                         );
                     }
+                    if rep
+                        .problems
+                        .iter()
+                        .any(|p| p.contains("corrupt tree node") || p.contains("checksum mismatch"))
+                    {
+                        eprintln!(
+                            "note: `birchfs restore {} DIR` copies every file that can still be \
+                             read into DIR, also when the image does not mount",
+                            image.display()
+                        );
+                    }
                     if rep.problems.is_empty() {
                         ExitCode::SUCCESS
                     } else {

@@ -733,7 +733,15 @@ fn a_damaged_root_node_refuses_the_mount_and_restore_gets_the_files_back() {
         "{}",
         describe(&out)
     );
-    assert!(err.contains("birchfs restore"), "points at restore: {err}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("birchfs restore"),
+        "check points at restore: {}",
+        describe(&out)
+    );
+    assert!(
+        err.contains("birchfs restore"),
+        "the mount points at restore: {err}"
+    );
     // restore gets every file back from the leaves under the lost root, says which
     // node was lost, and exits 1 for it.
     let dest = m.host_dir().join("restored");

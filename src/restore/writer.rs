@@ -79,12 +79,11 @@ impl<'a> Writer<'a> {
         }
     }
 
+    /// Writes everything out under `dest`, which exists and is empty.
     pub(super) fn run(&mut self, dest: &Path) {
-        match self.ns.inodes.get(&objectid::ROOT_DIR) {
-            Some(_) => {}
-            None => self
-                .rep
-                .problem("the root directory's inode is lost; its attributes are not set".into()),
+        if !self.ns.inodes.contains_key(&objectid::ROOT_DIR) {
+            self.rep
+                .problem("the root directory's inode is lost; its attributes are not set".into());
         }
         self.placed.insert(objectid::ROOT_DIR, dest.to_path_buf());
         self.dirs.push((objectid::ROOT_DIR, dest.to_path_buf()));
