@@ -560,11 +560,12 @@ fn run() -> Result<ExitCode> {
                             rep.pending_log_batches
                         );
                     }
-                    if rep
-                        .problems
-                        .iter()
-                        .any(|p| p.contains("corrupt tree node") || p.contains("checksum mismatch"))
-                    {
+                    // Damaged nodes and blocks (a tree walk's problems start "tree N:").
+                    if rep.problems.iter().any(|p| {
+                        p.starts_with("tree ")
+                            || p.contains("checksum mismatch")
+                            || p.contains("read error")
+                    }) {
                         eprintln!(
                             "note: `birchfs restore {} DIR` copies every file that can still be \
                              read into DIR, also when the image does not mount",
@@ -613,7 +614,8 @@ fn run() -> Result<ExitCode> {
                     }
                     if rep.attrs_refused > 0 {
                         eprintln!(
-                            "note: {} owners or extended attributes were refused by {}",
+                            "note: {} owners, permissions, times or extended attributes were \
+                             refused by {}",
                             rep.attrs_refused,
                             dest.display()
                         );

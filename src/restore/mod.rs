@@ -4,12 +4,17 @@
 //!
 //! The trees are walked from their roots as a mount would. A node that cannot be
 //! trusted (checksum, address, level, owner or generation wrong) is stood in for by
-//! the leaves of its tree that a scan of the device finds intact: newest first, each
-//! taken for the keys no newer one already holds, none newer than the parent says
-//! the node was, and only the keys the node covered. Those are the node's own leaves
-//! when only a node above them was lost, or the copies it was made from (older
-//! contents) when the leaf itself was. When the root tree is damaged the fs and
-//! checksum trees are rebuilt from their newest leaves in the same way.
+//! leaves of its tree that a scan of the device finds intact, none newer than the
+//! parent says the node was, and only for the keys the node covered: newest first,
+//! each leaf taken whole unless its keys overlap those of a leaf taken before. For a
+//! lost internal node these are the leaves the extent tree counts as in use (its own
+//! leaves, when only the node above them was lost), and those newer than what a
+//! damaged extent tree, itself stood in for, can tell about; for a lost leaf, which was the
+//! only live holder of its keys, they are older copies (a snapshot's, or one a commit
+//! freed and nothing overwrote), and the report says so. When the root tree is
+//! damaged the other trees are rebuilt from their newest leaves in the same way. A
+//! block inside a data extent is never taken for a leaf: it is file data, perhaps
+//! made to look like one.
 //!
 //! Names come from directory indexes, then directory items, then the names inodes
 //! keep of themselves (inode refs), so a file whose entry was lost keeps its name when
@@ -17,6 +22,13 @@
 //! checked against the checksum tree; a block that fails is written as read and its
 //! file is listed. The fsyncs since the last commit are replayed from the log on top
 //! of it, as a mount does (not for a snapshot, which the log never changes).
+//!
+//! Trouble cases: with snapshots, the leaves in use include a snapshot's own older
+//! leaves, so a stand-in for a lost internal node of the live tree can bring back,
+//! from a snapshot, files deleted since where the live tree kept no key near them.
+//! Everything is created under DEST by name, each directory made by restore itself,
+//! and `lost+found` is used only when it is a real directory, so no path goes through
+//! a symlink the image holds.
 
 mod namespace;
 mod reader;
@@ -62,7 +74,7 @@ pub struct Restored {
     pub bad_blocks: u64,
     /// Data blocks written with no checksum left to check them against.
     pub unverified_blocks: u64,
-    /// Owners and extended attributes that the destination refused.
+    /// Owners, permissions, times and extended attributes the destination refused.
     pub attrs_refused: u64,
     /// Fsynced log batches after the last commit, replayed on top of it.
     pub log_batches: usize,

@@ -95,10 +95,11 @@ impl Namespace {
             return Some(e.value.clone());
         };
         let mut v = Vec::new();
-        let mut i = 0;
+        // The chunks are keyed base, base + 1, ... (src/fs/xattr.rs).
+        let mut key = base;
         while v.len() < len as usize {
-            v.extend_from_slice(self.chunks.get(&(ino, base + i))?);
-            i += 1;
+            v.extend_from_slice(self.chunks.get(&(ino, key))?);
+            key = key.checked_add(1)?;
         }
         (v.len() == len as usize).then_some(v)
     }

@@ -10,7 +10,7 @@ use crate::dev::BlockDev;
 use crate::error::{Error, Result};
 use crate::format::{
     decode_node, kind, objectid, tree, ExtentItem, Key, NodeBody, RootItem, SnapshotItem,
-    Superblock, BLOCK_SIZE, EXTENT_FLAG_TREE,
+    Superblock, BLOCK_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE,
 };
 use crate::log::LogOp;
 use crate::txn::Store;
@@ -36,6 +36,17 @@ struct TreeReader<'a> {
     leaves: Option<Vec<Leaf>>,
     /// Tree nodes the extent tree counts as allocated, once it is read.
     allocated: Option<HashSet<u64>>,
+    /// Data extents (start -> length) the extent tree lists: no tree node lies in one,
+    /// so a block there that looks like a leaf is file data, perhaps made to look so.
+    data_extents: BTreeMap<u64, u64>,
+    /// Generation up to which `allocated` and `data_extents` are complete: the last
+    /// commit's for a whole extent tree; for one with stand-ins, the oldest leaf that
+    /// stood in (a node written after it may be missing from it).
+    known_upto: u64,
+    /// Oldest generation of the leaves the stand-ins have taken so far.
+    oldest_taken: u64,
+    /// Where the device ends: the superblock's size, or less for a truncated image.
+    end: u64,
     /// Nodes of the tree being walked: a damaged parent naming one node twice would
     /// otherwise multiply the walk.
     in_tree: HashSet<u64>,
@@ -61,7 +72,7 @@ impl TreeReader<'_> {
         let ns = self.sb.node_size as u64;
         if addr % BLOCK_SIZE != 0
             || addr < self.data_start()
-            || addr.checked_add(ns).is_none_or(|e| e > self.sb.total_bytes)
+            || addr.checked_add(ns).is_none_or(|e| e > self.end)
         {
             return Err(format!("node address {addr:#x} outside the data area"));
         }
@@ -167,13 +178,31 @@ impl TreeReader<'_> {
             .filter(|l| l.last >= lo && hi.is_none_or(|h| l.first < h))
             .copied()
             .collect();
+        let known = |l: &Leaf| l.generation <= self.known_upto;
+        let candidates: Vec<Leaf> = candidates
+            .into_iter()
+            .filter(|l| {
+                !known(l)
+                    || self
+                        .data_extents
+                        .range(..=l.addr)
+                        .next_back()
+                        .is_none_or(|(&s, &n)| l.addr >= s.saturating_add(n))
+            })
+            .collect();
+        // A lost leaf was the only one of its tree for its keys: any other leaf holding
+        // them (a snapshot's, or one freed since) is an older copy.
         let (live, older): (Vec<Leaf>, Vec<Leaf>) = match &self.allocated {
-            Some(a) => candidates.into_iter().partition(|l| a.contains(&l.addr)),
+            _ if level == Some(0) => (Vec::new(), candidates),
+            Some(a) => candidates
+                .into_iter()
+                .partition(|l| a.contains(&l.addr) || !known(l)),
             None => (candidates, Vec::new()),
         };
         // Key ranges taken, first -> last, disjoint.
         let mut taken: BTreeMap<Key, Key> = BTreeMap::new();
         let live = self.take_leaves(owner, (lo, hi), &live, &mut taken, out);
+        self.oldest_taken = self.oldest_taken.min(live.1);
         // Older copies only where the parent bounds them: for a lost leaf, not for a
         // lost internal node (whose lost children's ranges are unknown).
         let older = if level == Some(0) {
@@ -181,6 +210,13 @@ impl TreeReader<'_> {
         } else {
             (0, 0, 0)
         };
+        if older.0 > 0 {
+            self.oldest_taken = self.oldest_taken.min(older.1);
+        }
+        if live.0 == 0 && older.0 == 0 {
+            // Nothing stood in: what the node held is unknown, of any generation.
+            self.oldest_taken = 0;
+        }
         let gens = |(n, a, b): (u64, u64, u64)| match n {
             _ if a == b => format!("{n} leaves of generation {a}"),
             _ => format!("{n} leaves of generations {a} to {b}"),
@@ -237,6 +273,24 @@ impl TreeReader<'_> {
         (used, oldest, newest)
     }
 
+    /// The leaf in `node`, read from `addr`, if it is one of this filesystem's.
+    fn leaf_at(&self, node: &[u8], addr: u64) -> Option<Leaf> {
+        if node[4..20] != self.sb.fsid || node[20..28] != addr.to_le_bytes() {
+            return None;
+        }
+        let Ok((h, NodeBody::Leaf(items))) = decode_node(node, addr, &self.sb.fsid) else {
+            return None;
+        };
+        let (f, l) = (items.first()?, items.last()?);
+        (h.generation <= self.sb.generation).then_some(Leaf {
+            addr,
+            generation: h.generation,
+            owner: h.owner,
+            first: f.0,
+            last: l.0,
+        })
+    }
+
     /// Every intact leaf on the device, newest first.
     fn leaves(&mut self) -> &[Leaf] {
         if self.leaves.is_none() {
@@ -248,7 +302,7 @@ impl TreeReader<'_> {
 
     fn scan(&mut self) -> Vec<Leaf> {
         let ns = self.sb.node_size as u64;
-        let end = self.sb.total_bytes;
+        let end = self.end;
         let mut found = Vec::new();
         let mut at = self.data_start().next_multiple_of(BLOCK_SIZE);
         tracing::info!(
@@ -256,36 +310,21 @@ impl TreeReader<'_> {
             end.saturating_sub(at) >> 20
         );
         let mut buf = vec![0u8; (SCAN_CHUNK + ns) as usize];
-        while at + ns <= end {
+        while at.saturating_add(ns) <= end {
             let len = (SCAN_CHUNK + ns).min(end - at) as usize;
-            if let Err(e) = self.dev.read_at(&mut buf[..len], at) {
-                self.rep.problem(format!(
-                    "scan: read error in {at:#x}..{:#x}: {e}; skipped",
-                    at + len as u64
-                ));
-                at += SCAN_CHUNK;
-                continue;
-            }
+            let whole = self.dev.read_at(&mut buf[..len], at).is_ok();
             let mut off = 0usize;
             while off as u64 + ns <= len as u64 && (off as u64) < SCAN_CHUNK {
                 let addr = at + off as u64;
-                let hdr = &buf[off..];
-                if hdr[4..20] == self.sb.fsid && hdr[20..28] == addr.to_le_bytes() {
-                    if let Ok((h, NodeBody::Leaf(items))) =
-                        decode_node(&buf[off..off + ns as usize], addr, &self.sb.fsid)
-                    {
-                        if let (Some(f), Some(l)) = (items.first(), items.last()) {
-                            if h.generation <= self.sb.generation {
-                                found.push(Leaf {
-                                    addr,
-                                    generation: h.generation,
-                                    owner: h.owner,
-                                    first: f.0,
-                                    last: l.0,
-                                });
-                            }
-                        }
+                let node = &mut buf[off..off + ns as usize];
+                // A chunk with a bad sector: read it a node at a time.
+                if whole || self.dev.read_at(node, addr).is_ok() {
+                    if let Some(l) = self.leaf_at(node, addr) {
+                        found.push(l);
                     }
+                } else {
+                    self.rep
+                        .problem(format!("scan: read error at {addr:#x}; skipped"));
                 }
                 off += BLOCK_SIZE as usize;
             }
@@ -308,14 +347,26 @@ pub(super) struct Image {
 /// Reads the tree to restore and the checksums.
 pub(super) fn read_image(dev: &dyn BlockDev, opts: &RestoreOptions) -> Result<Image> {
     let sb = Store::read_super(dev)?;
+    let end = sb.total_bytes.min(dev.size());
     let mut rd = TreeReader {
         dev,
         sb: sb.clone(),
         leaves: None,
         allocated: None,
+        data_extents: BTreeMap::new(),
+        known_upto: sb.generation,
+        oldest_taken: u64::MAX,
+        end,
         in_tree: HashSet::new(),
         rep: Restored::default(),
     };
+    if end < sb.total_bytes {
+        rd.rep.problem(format!(
+            "the image ends at {end:#x}, before the {:#x} its superblock says (cut short?): \
+             what lay past its end is lost",
+            sb.total_bytes
+        ));
+    }
     let root_items = rd.tree_items("root tree", tree::ROOT, (sb.root_tree, sb.root_level, None));
     let root_tree_whole = rd.rep.damaged_nodes == 0;
     let mut roots: BTreeMap<u64, RootItem> = BTreeMap::new();
@@ -391,20 +442,31 @@ pub(super) fn read_image(dev: &dyn BlockDev, opts: &RestoreOptions) -> Result<Im
                 out
             }
         };
-    // The extent tree tells live nodes from freed ones, for the stand-ins below.
+    // The extent tree tells live nodes from freed ones, and tree nodes from file data,
+    // for the stand-ins below: of the nodes as old as the oldest leaf that stood in
+    // for a part of it, or all when it is whole.
     let extent_root = roots
         .get(&tree::EXTENT)
         .copied()
         .filter(|_| root_tree_whole);
+    rd.oldest_taken = u64::MAX;
     let extent_items = whole(&mut rd, "extent tree", tree::EXTENT, extent_root);
-    let allocated: HashSet<u64> = extent_items
+    rd.known_upto = rd.oldest_taken.min(sb.generation);
+    let mut allocated = HashSet::new();
+    for (k, v) in extent_items
         .iter()
         .filter(|(k, _)| k.ty == kind::EXTENT_ITEM)
-        .filter(|(_, v)| {
-            ExtentItem::read_from_bytes(v).is_ok_and(|e| e.flags.get() & EXTENT_FLAG_TREE != 0)
-        })
-        .map(|(k, _)| k.objectid)
-        .collect();
+    {
+        match ExtentItem::read_from_bytes(v).map(|e| e.flags.get()) {
+            Ok(f) if f & EXTENT_FLAG_TREE != 0 => {
+                allocated.insert(k.objectid);
+            }
+            Ok(f) if f & EXTENT_FLAG_DATA != 0 => {
+                rd.data_extents.insert(k.objectid, k.offset);
+            }
+            _ => {}
+        }
+    }
     rd.allocated = (!allocated.is_empty()).then_some(allocated);
     let fs_items = whole(&mut rd, &label, tree::FS, root);
     let csum_root = roots.get(&tree::CSUM).copied().filter(|_| root_tree_whole);
@@ -425,7 +487,7 @@ pub(super) fn read_image(dev: &dyn BlockDev, opts: &RestoreOptions) -> Result<Im
     Ok(Image {
         ns,
         csums,
-        total_bytes: sb.total_bytes,
+        total_bytes: end,
         rep,
     })
 }
@@ -439,7 +501,10 @@ fn replay_log(
     csum_items: Items,
     rep: &mut Restored,
 ) -> (Items, Items) {
-    let batches = match crate::fs::log_batches(dev, sb, sb.generation + 1) {
+    let Some(next) = sb.generation.checked_add(1) else {
+        return (fs_items, csum_items);
+    };
+    let batches = match crate::fs::log_batches(dev, sb, next) {
         Ok((b, _)) if !b.is_empty() => b,
         Ok(_) => return (fs_items, csum_items),
         Err(e) => {

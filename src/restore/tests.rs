@@ -80,6 +80,11 @@ fn run(dev: &MemDev, opts: &RestoreOptions) -> (tempfile::TempDir, PathBuf, Rest
 
 /// The address of the fs tree's root node.
 fn fs_root(dev: &MemDev) -> (u64, u8) {
+    tree_root(dev, tree::FS)
+}
+
+/// The address and level of tree `id`'s root node.
+fn tree_root(dev: &MemDev, id: u64) -> (u64, u8) {
     let sb = Store::read_super(dev).unwrap();
     let mut buf = vec![0u8; sb.node_size as usize];
     dev.read_at(&mut buf, sb.root_tree).unwrap();
@@ -89,7 +94,7 @@ fn fs_root(dev: &MemDev) -> (u64, u8) {
     };
     let (_, v) = items
         .iter()
-        .find(|(k, _)| k.ty == kind::ROOT_ITEM && k.objectid == tree::FS)
+        .find(|(k, _)| k.ty == kind::ROOT_ITEM && k.objectid == id)
         .unwrap();
     let r = RootItem::read_from_bytes(v).unwrap();
     (r.bytenr.get(), r.level)
@@ -108,7 +113,9 @@ fn plant(img: &mut [u8], generation: u64, items: Vec<(Key, Vec<u8>)>) -> u64 {
         level: 0,
     };
     let node = crate::format::encode_node(&h, &NodeBody::Leaf(items), &sb.fsid, ns);
-    img[addr as usize..addr as usize + ns].copy_from_slice(&node);
+    let at = &mut img[addr as usize..addr as usize + ns];
+    assert!(at.iter().all(|&b| b == 0), "{addr:#x} is free space");
+    at.copy_from_slice(&node);
     addr
 }
 
@@ -319,6 +326,104 @@ fn a_damaged_fs_root_loses_no_file_and_revives_none() {
     assert_eq!(rep.lost_found, 0, "deleted files come back from nowhere");
 }
 
+/// With a snapshot taken before the live tree changed a leaf, the snapshot's copy
+/// stands in for that leaf when it is lost, and is said to be older: its files come
+/// back as they were at the snapshot.
+#[test]
+fn a_lost_leaf_shared_no_more_comes_back_from_the_snapshot_as_older() {
+    let dev = populated();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    fs.snapshot_create(b"s").unwrap();
+    for i in 0..300 {
+        let ino = fs.resolve(&format!("/d/f{i}")).unwrap().ino;
+        let set = SetAttr {
+            mode: Some(0o600),
+            ..Default::default()
+        };
+        fs.setattr(ino, &set).unwrap();
+    }
+    fs.unmount().unwrap();
+    let (root, _) = fs_root(&dev);
+    let sb = Store::read_super(dev.as_ref()).unwrap();
+    let mut buf = vec![0u8; sb.node_size as usize];
+    dev.read_at(&mut buf, root).unwrap();
+    let NodeBody::Internal(ptrs) = decode_node(&buf, root, &sb.fsid).unwrap().1 else {
+        panic!("an internal root")
+    };
+    let leaf = ptrs[ptrs.len() / 2].1;
+    let (_t, out, rep) = run(&flip(&dev, leaf), &RestoreOptions::default());
+    assert!(
+        rep.problems[0].contains(&format!("corrupt tree node at {leaf:#x}"))
+            && rep.problems[0].contains("older copies"),
+        "{:#?}",
+        rep.problems
+    );
+    let mut modes = BTreeMap::new();
+    for i in 0..300 {
+        let p = out.join(format!("d/f{i}"));
+        assert!(std::fs::read(&p).unwrap() == content(i), "{}", p.display());
+        let m = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        *modes.entry(m).or_insert(0) += 1;
+    }
+    assert!(modes[&0o600] > 200, "{modes:?}");
+    assert!(
+        modes.get(&0o644).is_some_and(|&n| n > 0),
+        "as at the snapshot: {modes:?}"
+    );
+}
+
+/// The extent tree's root lost as well as the fs tree's: what the extent tree
+/// still tells (from older copies) must not make restore drop live fs leaves it
+/// cannot account for.
+#[test]
+fn a_damaged_extent_tree_drops_no_live_leaf() {
+    let dev = populated();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    for i in 0..300 {
+        let ino = fs.resolve(&format!("/d/f{i}")).unwrap().ino;
+        fs.write(ino, 0, b"second").unwrap();
+    }
+    fs.unmount().unwrap();
+    let (fs_root, _) = fs_root(&dev);
+    // The extent leaf holding the fs tree's nodes' items.
+    let (ext_root, level) = tree_root(&dev, tree::EXTENT);
+    assert!(level >= 1, "an extent tree of more than one leaf");
+    let sb = Store::read_super(dev.as_ref()).unwrap();
+    let mut buf = vec![0u8; sb.node_size as usize];
+    dev.read_at(&mut buf, ext_root).unwrap();
+    let NodeBody::Internal(ptrs) = decode_node(&buf, ext_root, &sb.fsid).unwrap().1 else {
+        panic!("an internal root")
+    };
+    let i = ptrs.iter().rposition(|p| p.0.objectid <= fs_root).unwrap();
+    let ext_leaf = ptrs[i].1;
+    let bad = flip(&flip(&dev, fs_root), ext_leaf);
+    let (_t, out, rep) = run(&bad, &RestoreOptions::default());
+    assert!(
+        rep.problems[0].contains(&format!("extent tree: corrupt tree node at {ext_leaf:#x}")),
+        "{:#?}",
+        rep.problems
+    );
+    for i in 0..300 {
+        let mut want = content(i);
+        want[..6].copy_from_slice(b"second");
+        let p = out.join(format!("d/f{i}"));
+        assert!(std::fs::read(&p).unwrap() == want, "{}", p.display());
+    }
+}
+
+/// An image cut short: restore says so and gets back what lies before the cut.
+#[test]
+fn a_truncated_image_gives_back_what_it_holds() {
+    let dev = populated();
+    let mut img = dev.image();
+    img.truncate(48 << 20);
+    let (_t, out, rep) = run(&MemDev::from_image(img), &RestoreOptions::default());
+    assert!(rep.problems[0].contains("cut short"), "{:#?}", rep.problems);
+    for i in 0..300 {
+        assert!(std::fs::read(out.join(format!("d/f{i}"))).unwrap() == content(i));
+    }
+}
+
 /// After a crash the fsyncs since the last commit are in the log: restore replays
 /// them as a mount does (new files, a removal), also when the fs tree's root is lost.
 #[test]
@@ -523,9 +628,13 @@ fn restores_a_snapshot_as_it_was() {
     );
 }
 
-/// Unnamed inodes go to lost+found; names that are no path component are refused.
+/// Unnamed inodes go to lost+found; names that are no path component are refused,
+/// and a `lost+found` that is a symlink out of DEST is not written through.
 #[test]
 fn nameless_inodes_go_to_lost_and_found_and_hostile_names_are_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
     let inode = |mode: u32| InodeItem {
         mode: mode.into(),
         nlink: 1.into(),
@@ -558,10 +667,19 @@ fn nameless_inodes_go_to_lost_and_found_and_hostile_names_are_skipped() {
             Key::new(303, kind::INODE_ITEM, 0),
             inode(libc::S_IFREG | 0o644).as_bytes().to_vec(),
         ),
+        (
+            Key::new(304, kind::INODE_ITEM, 0),
+            inode(libc::S_IFLNK | 0o777).as_bytes().to_vec(),
+        ),
+        (
+            Key::new(304, kind::SYMLINK, 0),
+            outside.as_os_str().as_bytes().to_vec(),
+        ),
     ];
     for (dir, e) in [
         (256, ent(302, b"..")),
         (256, ent(303, b"a/b")),
+        (256, ent(304, b"lost+found")),
         (301, ent(302, b"kept")),
     ] {
         items.push((
@@ -571,7 +689,6 @@ fn nameless_inodes_go_to_lost_and_found_and_hostile_names_are_skipped() {
     }
     let mut rep = Restored::default();
     let ns = Namespace::build(items, &mut rep);
-    let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     make_dest(&out).unwrap();
     let dev = MemDev::new(1 << 20);
@@ -579,12 +696,18 @@ fn nameless_inodes_go_to_lost_and_found_and_hostile_names_are_skipped() {
     let mut w = Writer::new(&dev, 1 << 20, &ns, &csums, rep);
     w.run(&out);
     assert!(!tmp.path().join("b").exists() && !out.join("a").exists());
-    assert!(out.join("lost+found/#300").is_file());
+    assert_eq!(std::fs::read_link(out.join("lost+found")).unwrap(), outside);
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "nothing written through the symlink"
+    );
+    assert!(out.join("lost+found.1/#300").is_file());
     assert!(
-        out.join("lost+found/#301/kept").is_file(),
+        out.join("lost+found.1/#301/kept").is_file(),
         "a lost directory keeps what it holds"
     );
-    assert!(out.join("lost+found/#303").is_file());
+    assert!(out.join("lost+found.1/#303").is_file());
     assert_eq!(w.rep.lost_found, 3);
     assert!(
         w.rep.problems.iter().any(|p| p.contains("\"..\"")),

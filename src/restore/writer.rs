@@ -148,20 +148,24 @@ impl<'a> Writer<'a> {
             )
             .copied()
             .collect();
-        let lf = dest.join("lost+found");
+        let mut lf = None;
         for ino in order {
             if !lost(self, &ino) {
                 continue;
             }
-            if !lf.is_dir() {
-                if let Err(e) = std::fs::create_dir(&lf) {
-                    self.rep.problem(format!(
-                        "cannot create {}: {e}; lost inodes not restored",
-                        lf.display()
-                    ));
-                    return;
+            if lf.is_none() {
+                match lost_found_dir(dest) {
+                    Ok(p) => lf = Some(p),
+                    Err(e) => {
+                        self.rep.problem(format!(
+                            "cannot make a lost+found in {}: {e}; lost inodes not restored",
+                            dest.display()
+                        ));
+                        return;
+                    }
                 }
             }
+            let Some(lf) = &lf else { return };
             self.rep.lost_found += 1;
             let p = lf.join(format!("#{ino}"));
             self.rep.problem(format!(
@@ -331,6 +335,16 @@ impl<'a> Writer<'a> {
         let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
             return;
         };
+        // Owner, then mode (chown clears set-id bits), then xattrs (chown of a file
+        // also drops its security.capability), then times.
+        // SAFETY: a valid C string.
+        if self.root && unsafe { libc::lchown(c.as_ptr(), inode.uid.get(), inode.gid.get()) } != 0 {
+            self.rep.attrs_refused += 1;
+        }
+        // SAFETY: a valid C string.
+        if !symlink && unsafe { libc::chmod(c.as_ptr(), (inode.mode.get() & 0o7777) as _) } != 0 {
+            self.rep.attrs_refused += 1;
+        }
         for e in self.ns.xattrs.get(&ino).map(Vec::as_slice).unwrap_or(&[]) {
             let (Some(v), Ok(n)) = (self.ns.xattr_value(ino, e), CString::new(e.name.clone()))
             else {
@@ -348,21 +362,13 @@ impl<'a> Writer<'a> {
                 self.rep.attrs_refused += 1;
             }
         }
-        // SAFETY: a valid C string.
-        if self.root && unsafe { libc::lchown(c.as_ptr(), inode.uid.get(), inode.gid.get()) } != 0 {
-            self.rep.attrs_refused += 1;
-        }
-        if !symlink {
-            // SAFETY: a valid C string.
-            unsafe { libc::chmod(c.as_ptr(), (inode.mode.get() & 0o7777) as libc::mode_t) };
-        }
         let ts = |t: Timespec| libc::timespec {
             tv_sec: t.sec.get(),
             tv_nsec: t.nsec.get().min(999_999_999) as _,
         };
         let times = [ts(inode.atime), ts(inode.mtime)];
         // SAFETY: a valid C string and two timespecs.
-        unsafe {
+        let r = unsafe {
             libc::utimensat(
                 libc::AT_FDCWD,
                 c.as_ptr(),
@@ -370,7 +376,34 @@ impl<'a> Writer<'a> {
                 libc::AT_SYMLINK_NOFOLLOW,
             )
         };
+        if r != 0 {
+            self.rep.attrs_refused += 1;
+        }
     }
+}
+
+/// `DEST/lost+found`, made unless it is a directory restored from the image; when that
+/// name is something else (a symlink could point out of DEST), `lost+found.N`.
+fn lost_found_dir(dest: &Path) -> io::Result<PathBuf> {
+    for n in 0..100 {
+        let p = match n {
+            0 => dest.join("lost+found"),
+            n => dest.join(format!("lost+found.{n}")),
+        };
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_dir() => return Ok(p),
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                std::fs::create_dir(&p)?;
+                return Ok(p);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        "lost+found and lost+found.1 to .99 are all taken",
+    ))
 }
 
 fn is_dir(i: &InodeItem) -> bool {
