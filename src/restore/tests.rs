@@ -205,6 +205,61 @@ fn a_clean_image_comes_back_whole() {
     );
 }
 
+/// As root: owners, a device node, a socket, a set-uid file and its file
+/// capability (which a chown after the xattrs would drop) come back.
+#[test]
+fn owners_devices_sockets_and_capabilities_come_back_as_root() {
+    if !geteuid_is_root() {
+        eprintln!("skipped: making device nodes and setting capabilities needs root");
+        return;
+    }
+    let dev = Arc::new(MemDev::new(64 << 20));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let c = Creds {
+        uid: 1234,
+        gid: 5678,
+    };
+    let null = libc::makedev(1, 3);
+    fs.mknod(ROOT_INO, b"null", libc::S_IFCHR | 0o666, null, c)
+        .unwrap();
+    fs.mknod(ROOT_INO, b"sock", libc::S_IFSOCK | 0o755, 0, c)
+        .unwrap();
+    let ping = fs.mknod(ROOT_INO, b"ping", 0o4755, 0, c).unwrap();
+    fs.write(ping.ino, 0, b"#!/bin/true\n").unwrap();
+    // vfs_cap_data revision 2: effective, CAP_NET_RAW permitted.
+    let cap: Vec<u8> = [0x0200_0001u32, 1 << 13, 0, 0, 0]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    fs.setxattr(ping.ino, b"security.capability", &cap, false, false)
+        .unwrap();
+    fs.unmount().unwrap();
+    let (_t, out, rep) = run(&dev, &RestoreOptions::default());
+    assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+    assert_eq!((rep.specials, rep.files, rep.attrs_refused), (2, 1, 0));
+    let m = std::fs::symlink_metadata(out.join("null")).unwrap();
+    assert!(m.file_type().is_char_device() && m.rdev() == null);
+    assert!(std::fs::symlink_metadata(out.join("sock"))
+        .unwrap()
+        .file_type()
+        .is_socket());
+    let m = std::fs::metadata(out.join("ping")).unwrap();
+    assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (1234, 5678, 0o4755));
+    let p = CString::new(out.join("ping").as_os_str().as_bytes()).unwrap();
+    let n = CString::new("security.capability").unwrap();
+    let mut v = vec![0u8; 64];
+    // SAFETY: valid C strings and a buffer of the given length.
+    let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), v.as_mut_ptr().cast(), v.len()) };
+    assert!(
+        r > 0,
+        "the capability is there: {}",
+        std::io::Error::last_os_error()
+    );
+    v.truncate(r as usize);
+    assert_eq!(v, cap);
+}
+
 /// A value too large for one item is put together from its chunks (ext4, where
 /// the tests restore to, takes no value that large, so this reads it only).
 #[test]
