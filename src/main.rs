@@ -412,6 +412,23 @@ fn init_logging(log: Option<&Path>) -> Result<()> {
 /// Opens the image, waiting up to 10 s while another process holds its lock: after
 /// `umount` the previous daemon still finishes its last commit before it lets go
 /// (used by every command that opens an image).
+/// Prints a report's problems, one per line, to stdout and its totals to stderr.
+fn print_report(problems: &[String], summary: &str) {
+    for p in problems {
+        println!("{p}");
+    }
+    eprintln!("{summary}");
+}
+
+/// 0 when nothing was found wrong, 1 otherwise (as `check` and `restore` exit).
+fn exit_for(problems: &[String]) -> ExitCode {
+    if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
 fn open_when_free(image: &Path, writable: bool) -> std::io::Result<FileDev> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -548,10 +565,7 @@ fn run() -> Result<ExitCode> {
                     ExitCode::from(2)
                 }
                 Ok(rep) => {
-                    for p in &rep.problems {
-                        println!("{p}");
-                    }
-                    eprintln!("{}", rep.summary());
+                    print_report(&rep.problems, &rep.summary());
                     if rep.pending_log_batches > 0 {
                         eprintln!(
                             "note: the log holds {} fsynced batches a mount would replay; \
@@ -572,11 +586,7 @@ fn run() -> Result<ExitCode> {
                             image.display()
                         );
                     }
-                    if rep.problems.is_empty() {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(1)
-                    }
+                    exit_for(&rep.problems)
                 }
             });
         }
@@ -602,10 +612,7 @@ fn run() -> Result<ExitCode> {
                     ExitCode::from(2)
                 }
                 Ok(rep) => {
-                    for p in &rep.problems {
-                        println!("{p}");
-                    }
-                    eprintln!("{}", rep.summary());
+                    print_report(&rep.problems, &rep.summary());
                     if rep.unverified_blocks > 0 {
                         eprintln!(
                             "note: {} data blocks had no checksum left to check them against",
@@ -627,11 +634,7 @@ fn run() -> Result<ExitCode> {
                             rep.log_batches
                         );
                     }
-                    if rep.problems.is_empty() {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(1)
-                    }
+                    exit_for(&rep.problems)
                 }
             });
         }

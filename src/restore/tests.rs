@@ -701,36 +701,26 @@ fn nameless_inodes_go_to_lost_and_found_and_hostile_names_are_skipped() {
         index: 2,
         name: name.to_vec(),
     };
-    let mut items = vec![
+    let mut items: Vec<(Key, Vec<u8>)> = [
+        (256, libc::S_IFDIR | 0o755),
+        (300, libc::S_IFREG | 0o644),
+        (301, libc::S_IFDIR | 0o755),
+        (302, libc::S_IFREG | 0o644),
+        (303, libc::S_IFREG | 0o644),
+        (304, libc::S_IFLNK | 0o777),
+    ]
+    .iter()
+    .map(|&(ino, mode)| {
         (
-            Key::new(256, kind::INODE_ITEM, 0),
-            inode(libc::S_IFDIR | 0o755).as_bytes().to_vec(),
-        ),
-        (
-            Key::new(300, kind::INODE_ITEM, 0),
-            inode(libc::S_IFREG | 0o644).as_bytes().to_vec(),
-        ),
-        (
-            Key::new(301, kind::INODE_ITEM, 0),
-            inode(libc::S_IFDIR | 0o755).as_bytes().to_vec(),
-        ),
-        (
-            Key::new(302, kind::INODE_ITEM, 0),
-            inode(libc::S_IFREG | 0o644).as_bytes().to_vec(),
-        ),
-        (
-            Key::new(303, kind::INODE_ITEM, 0),
-            inode(libc::S_IFREG | 0o644).as_bytes().to_vec(),
-        ),
-        (
-            Key::new(304, kind::INODE_ITEM, 0),
-            inode(libc::S_IFLNK | 0o777).as_bytes().to_vec(),
-        ),
-        (
-            Key::new(304, kind::SYMLINK, 0),
-            outside.as_os_str().as_bytes().to_vec(),
-        ),
-    ];
+            Key::new(ino, kind::INODE_ITEM, 0),
+            inode(mode).as_bytes().to_vec(),
+        )
+    })
+    .collect();
+    items.push((
+        Key::new(304, kind::SYMLINK, 0),
+        outside.as_os_str().as_bytes().to_vec(),
+    ));
     for (dir, e) in [
         (256, ent(302, b"..")),
         (256, ent(303, b"a/b")),
