@@ -71,6 +71,15 @@ fn populated() -> Arc<MemDev> {
     dev
 }
 
+/// The filesystem on `dev`, mounted read-only (to look things up in).
+fn readonly(dev: &Arc<MemDev>) -> Fs {
+    let opts = Options {
+        readonly: true,
+        ..Default::default()
+    };
+    Fs::open(dev.clone(), opts).unwrap()
+}
+
 fn run(dev: &MemDev, opts: &RestoreOptions) -> (tempfile::TempDir, PathBuf, Restored) {
     let tmp = tempfile::tempdir().unwrap();
     let dest = tmp.path().join("out");
@@ -265,16 +274,7 @@ fn owners_devices_sockets_and_capabilities_come_back_as_root() {
 #[test]
 fn a_chunked_xattr_value_is_put_together() {
     let dev = populated();
-    let fs = Fs::open(
-        dev.clone(),
-        Options {
-            readonly: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let f1 = fs.resolve("/d/f1").unwrap().ino;
-    drop(fs);
+    let f1 = readonly(&dev).resolve("/d/f1").unwrap().ino;
     let img = read_image(dev.as_ref(), &RestoreOptions::default()).unwrap();
     let e = img.ns.xattrs[&f1]
         .iter()
@@ -560,14 +560,7 @@ fn a_damaged_leaf_costs_only_its_own_keys() {
     // A leaf in the middle, and the objectids it may hold items of.
     let i = ptrs.len() / 2;
     let (lo, leaf, hi) = (ptrs[i].0.objectid, ptrs[i].1, ptrs[i + 1].0.objectid);
-    let fs = Fs::open(
-        dev.clone(),
-        Options {
-            readonly: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let fs = readonly(&dev);
     let inos: Vec<u64> = (0..300)
         .map(|i| fs.resolve(&format!("/d/f{i}")).unwrap().ino)
         .collect();
@@ -625,16 +618,8 @@ fn a_damaged_leaf_costs_only_its_own_keys() {
 #[test]
 fn a_damaged_data_block_is_written_as_read_and_named() {
     let dev = populated();
-    let fs = Fs::open(
-        dev.clone(),
-        Options {
-            readonly: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let ino = fs.resolve("/d/f7").unwrap().ino;
-    let addr = fs.extent_map(ino).unwrap()[0].disk_addr;
+    let fs = readonly(&dev);
+    let addr = fs.extent_map(fs.resolve("/d/f7").unwrap().ino).unwrap()[0].disk_addr;
     drop(fs);
     let mut img = dev.image();
     img[addr as usize + 4096 + 10] ^= 1;
