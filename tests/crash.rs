@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use birchfs::dev::{CrashDev, CrashOp, MemDev};
-use birchfs::{Creds, FallocMode, Fs, MkfsOptions, Options, RenameFlags, SetAttr};
+use birchfs::{
+    Creds, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr, ROOT_INO,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -453,7 +455,19 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
         rep.problems,
         run.ops
     );
+    // `birchfs restore` of the same state, which replays the log itself.
+    let tmp = tempfile::tempdir().unwrap();
+    let restored = tmp.path().join("restored");
+    let rr = birchfs::restore::restore(dev.as_ref(), &restored, &Default::default())
+        .unwrap_or_else(|e| panic!("{what}: restore: {e}"));
+    assert!(
+        rr.problems.is_empty(),
+        "{what}: restore: {:#?}\nops: {:?}",
+        rr.problems,
+        run.ops
+    );
     let fs = Fs::open(dev, Options::default()).unwrap_or_else(|e| panic!("{what}: mount: {e}"));
+    same_as_restored(&fs, ROOT_INO, &restored, what, &run.ops);
     for (ret, i, pr) in &run.promises {
         if *ret > flushed_upto {
             continue;
@@ -583,6 +597,70 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                 }
             }
         }
+    }
+}
+
+/// What restore made of a crash state, at `dir`, is what the mount of that state
+/// shows under `ino`: names, kinds, permission bits, file data and link targets.
+fn same_as_restored(fs: &Fs, ino: u64, dir: &std::path::Path, what: &str, ops: &[Op]) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut mounted = BTreeMap::new();
+    for e in fs.readdir(ino, 0, 100_000).unwrap() {
+        let dots = e.name == b"." || e.name == b"..";
+        let snapshots = ino == ROOT_INO && e.name == birchfs::SNAPSHOTS_NAME;
+        if !(dots || snapshots) {
+            mounted.insert(String::from_utf8(e.name).unwrap(), e.ino);
+        }
+    }
+    let restored: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let mut restored_sorted = restored.clone();
+    restored_sorted.sort();
+    assert_eq!(
+        mounted.keys().cloned().collect::<Vec<_>>(),
+        restored_sorted,
+        "{what}: restore and mount differ in {}\nops: {ops:?}",
+        dir.display()
+    );
+    for (name, &child) in &mounted {
+        let a = fs.getattr(child).unwrap();
+        let p = dir.join(name);
+        let m = std::fs::symlink_metadata(&p).unwrap();
+        let differs = |how: &str| format!("{what}: restored {} {how}\nops: {ops:?}", p.display());
+        match a.kind {
+            FileKind::Dir => {
+                assert!(m.is_dir(), "{}", differs("is no directory"));
+                same_as_restored(fs, child, &p, what, ops);
+            }
+            FileKind::File => {
+                let data = fs.read(child, 0, (a.size as u32).max(1)).unwrap();
+                assert!(
+                    std::fs::read(&p).unwrap() == data,
+                    "{}",
+                    differs("has other data")
+                );
+            }
+            FileKind::Symlink => {
+                let t = fs.readlink(child).unwrap();
+                assert_eq!(
+                    std::fs::read_link(&p)
+                        .unwrap()
+                        .as_os_str()
+                        .as_encoded_bytes(),
+                    t
+                );
+                continue;
+            }
+            _ => {}
+        }
+        assert_eq!(
+            m.permissions().mode() & 0o7777,
+            a.perm as u32,
+            "{}",
+            differs("mode")
+        );
     }
 }
 
