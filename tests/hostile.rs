@@ -89,6 +89,12 @@ fn exercise(fs: &Fs) {
 fn run_one(base: &[u8], seed: u64) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut img = base.to_vec();
+    damage(&mut img, &mut rng);
+    survive(img, seed)
+}
+
+/// Random damage to `img`: bit flips, bytes and zeroed blocks.
+fn damage(img: &mut [u8], rng: &mut StdRng) {
     // Damage where it matters: superblock copy, the log area, and the metadata region
     // right after it, where mkfs and the first commits put tree nodes.
     let regions = [
@@ -109,6 +115,11 @@ fn run_one(base: &[u8], seed: u64) -> Result<(), String> {
             }
         }
     }
+}
+
+/// Mount, walk, change, unmount, check and restore `img`: errors are fine, panics
+/// are not.
+fn survive(img: Vec<u8>, seed: u64) -> Result<(), String> {
     let r = catch_unwind(AssertUnwindSafe(|| {
         let dev = Arc::new(MemDev::from_image(img.clone()));
         if let Ok(fs) = Fs::open(dev.clone(), Options::default()) {
@@ -132,6 +143,72 @@ fn run_one(base: &[u8], seed: u64) -> Result<(), String> {
             .unwrap_or_default();
         format!("seed {seed}: panic: {msg}")
     })
+}
+
+/// The tree nodes of `img` (4 KiB nodes, as `seed_image` makes them).
+fn nodes_of(img: &[u8]) -> Vec<usize> {
+    let sb = birchfs::format::Superblock::decode(&img[64 << 10..(64 << 10) + 4096], 64 << 10)
+        .expect("the seed image's superblock");
+    (0..img.len() / 4096)
+        .map(|i| i * 4096)
+        .filter(|&o| birchfs::format::decode_node(&img[o..o + 4096], o as u64, &sb.fsid).is_ok())
+        .collect()
+}
+
+/// Changes bytes of 1 to 3 tree nodes and writes their checksums anew: what a
+/// crafted image holds (a damaged disk's nodes fail their checksums instead). Header
+/// fields, keys, item offsets and lengths, and values are all fair game.
+fn forge(img: &mut [u8], nodes: &[usize], rng: &mut StdRng) {
+    for _ in 0..rng.gen_range(1..4) {
+        let n = nodes[rng.gen_range(0..nodes.len())];
+        for _ in 0..rng.gen_range(1..4) {
+            // Mostly the used front of the node: its header, keys and first items.
+            let span = if rng.gen_bool(0.7) { 600 } else { 4092 };
+            let at = n + 4 + rng.gen_range(0..span);
+            match rng.gen_range(0..4) {
+                0 => img[at] ^= 1 << rng.gen_range(0..8),
+                1 => img[at] = rng.gen(),
+                2 => img[at] = [0, 1, 0x7f, 0x80, 0xff][rng.gen_range(0..5)],
+                _ => {
+                    let end = (at + 8).min(n + 4096);
+                    img[at..end].fill(if rng.gen() { 0xff } else { 0 });
+                }
+            }
+        }
+        let c = birchfs::format::csum(&img[n + 4..n + 4096]);
+        img[n..n + 4].copy_from_slice(&c.to_le_bytes());
+    }
+}
+
+/// Nodes with valid checksums and hostile contents: the engine, check and restore
+/// must refuse or cope, never panic.
+#[test]
+fn forged_nodes_never_panic() {
+    let base = seed_image();
+    let nodes = nodes_of(&base);
+    assert!(nodes.len() > 10, "{} nodes", nodes.len());
+    let n = if std::env::var("BIRCHFS_LONG").is_ok() {
+        3000
+    } else {
+        150
+    };
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let failures: Vec<String> = (5000..5000 + n)
+        .filter_map(|seed| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let mut img = base.clone();
+            forge(&mut img, &nodes, &mut rng);
+            survive(img, seed).err()
+        })
+        .collect();
+    std::panic::set_hook(prev);
+    eprintln!("forged nodes: {n} runs, {} panics", failures.len());
+    assert!(
+        failures.is_empty(),
+        "{:#?}",
+        &failures[..failures.len().min(10)]
+    );
 }
 
 #[test]
