@@ -18,6 +18,11 @@ use crate::txn::Store;
 /// A tree's items, in key order.
 type Items = Vec<(Key, Vec<u8>)>;
 
+/// Whether `k` lies in `lo..hi` (no upper bound when `hi` is None).
+fn in_range(k: &Key, lo: Key, hi: Option<Key>) -> bool {
+    *k >= lo && hi.is_none_or(|h| *k < h)
+}
+
 /// A leaf found intact by the device scan.
 #[derive(Debug, Clone, Copy)]
 struct Leaf {
@@ -124,7 +129,6 @@ impl TreeReader<'_> {
         (lo, hi): (Key, Option<Key>),
         out: &mut Vec<(Key, Vec<u8>)>,
     ) {
-        let in_range = |k: &Key| *k >= lo && hi.is_none_or(|h| *k < h);
         if !self.in_tree.insert(addr) {
             self.rep
                 .problem(format!("{label}: node {addr:#x} referenced twice; skipped"));
@@ -136,7 +140,9 @@ impl TreeReader<'_> {
                 let max_gen = gen.unwrap_or(self.sb.generation);
                 self.stand_in(label, owner, (lo, hi, Some(level)), max_gen, &why, out);
             }
-            Ok(NodeBody::Leaf(items)) => out.extend(items.into_iter().filter(|(k, _)| in_range(k))),
+            Ok(NodeBody::Leaf(items)) => {
+                out.extend(items.into_iter().filter(|(k, _)| in_range(k, lo, hi)))
+            }
             Ok(NodeBody::Internal(ptrs)) => {
                 for (i, &(k, child, cgen)) in ptrs.iter().enumerate() {
                     let chi = match (ptrs.get(i + 1).map(|p| p.0), hi) {
@@ -171,24 +177,23 @@ impl TreeReader<'_> {
         why: &str,
         out: &mut Vec<(Key, Vec<u8>)>,
     ) {
+        self.scan_once();
+        let known = |l: &Leaf| l.generation <= self.known_upto;
+        let in_data = |l: &Leaf| {
+            self.data_extents
+                .range(..=l.addr)
+                .next_back()
+                .is_some_and(|(&s, &n)| l.addr < s.saturating_add(n))
+        };
         let candidates: Vec<Leaf> = self
-            .leaves()
+            .leaves
+            .as_deref()
+            .unwrap_or_default()
             .iter()
             .filter(|l| l.owner == owner && l.generation <= max_gen)
             .filter(|l| l.last >= lo && hi.is_none_or(|h| l.first < h))
+            .filter(|l| !(known(l) && in_data(l)))
             .copied()
-            .collect();
-        let known = |l: &Leaf| l.generation <= self.known_upto;
-        let candidates: Vec<Leaf> = candidates
-            .into_iter()
-            .filter(|l| {
-                !known(l)
-                    || self
-                        .data_extents
-                        .range(..=l.addr)
-                        .next_back()
-                        .is_none_or(|(&s, &n)| l.addr >= s.saturating_add(n))
-            })
             .collect();
         // A lost leaf was the only one of its tree for its keys: any other leaf holding
         // them (a snapshot's, or one freed since) is an older copy.
@@ -249,15 +254,16 @@ impl TreeReader<'_> {
         taken: &mut BTreeMap<Key, Key>,
         out: &mut Vec<(Key, Vec<u8>)>,
     ) -> (u64, u64, u64) {
-        let in_range = |k: &Key| *k >= lo && hi.is_none_or(|h| *k < h);
         let (mut used, mut oldest, mut newest) = (0u64, u64::MAX, 0u64);
         for c in leaves {
             let Ok(NodeBody::Leaf(items)) = self.read_node(c.addr, 0, owner, Some(c.generation))
             else {
                 continue;
             };
-            let items: Vec<(Key, Vec<u8>)> =
-                items.into_iter().filter(|(k, _)| in_range(k)).collect();
+            let items: Vec<(Key, Vec<u8>)> = items
+                .into_iter()
+                .filter(|(k, _)| in_range(k, lo, hi))
+                .collect();
             let (Some(f), Some(l)) = (items.first().map(|x| x.0), items.last().map(|x| x.0)) else {
                 continue;
             };
@@ -291,13 +297,12 @@ impl TreeReader<'_> {
         })
     }
 
-    /// Every intact leaf on the device, newest first.
-    fn leaves(&mut self) -> &[Leaf] {
+    /// Fills `leaves` with every intact leaf on the device, the first time.
+    fn scan_once(&mut self) {
         if self.leaves.is_none() {
             let found = self.scan();
             self.leaves = Some(found);
         }
-        self.leaves.as_deref().unwrap_or_default()
     }
 
     fn scan(&mut self) -> Vec<Leaf> {

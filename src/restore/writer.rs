@@ -148,24 +148,23 @@ impl<'a> Writer<'a> {
             )
             .copied()
             .collect();
-        let mut lf = None;
+        if !order.iter().any(|ino| lost(self, ino)) {
+            return;
+        }
+        let lf = match lost_found_dir(dest) {
+            Ok(p) => p,
+            Err(e) => {
+                self.rep.problem(format!(
+                    "cannot make a lost+found in {}: {e}; lost inodes not restored",
+                    dest.display()
+                ));
+                return;
+            }
+        };
         for ino in order {
             if !lost(self, &ino) {
                 continue;
             }
-            if lf.is_none() {
-                match lost_found_dir(dest) {
-                    Ok(p) => lf = Some(p),
-                    Err(e) => {
-                        self.rep.problem(format!(
-                            "cannot make a lost+found in {}: {e}; lost inodes not restored",
-                            dest.display()
-                        ));
-                        return;
-                    }
-                }
-            }
-            let Some(lf) = &lf else { return };
             self.rep.lost_found += 1;
             let p = lf.join(format!("#{ino}"));
             self.rep.problem(format!(
