@@ -44,6 +44,9 @@ pub struct Stats {
     pub flushes: AtomicU64,
     /// Commits of the fsync log (group commits).
     pub log_commits: AtomicU64,
+    /// Group commits that began while another was still at work (FUSE over
+    /// io_uring lets several run at once).
+    pub log_commits_overlapped: AtomicU64,
     /// fsyncs the log could not serve, done as full commits.
     pub fallbacks: AtomicU64,
     /// Times memory pressure lowered the size the page cache keeps to.
@@ -103,6 +106,7 @@ impl Stats {
             dev_log_bytes: g(&self.dev_log_bytes),
             flushes: g(&self.flushes),
             log_commits: g(&self.log_commits),
+            log_commits_overlapped: g(&self.log_commits_overlapped),
             fallbacks: g(&self.fallbacks),
             memory_squeezes: g(&self.memory_squeezes),
             shared_cows: g(&self.shared_cows),
@@ -169,6 +173,8 @@ pub struct StatsSnapshot {
     pub flushes: u64,
     /// See [`Stats::log_commits`].
     pub log_commits: u64,
+    /// See [`Stats::log_commits_overlapped`].
+    pub log_commits_overlapped: u64,
     /// See [`Stats::fallbacks`].
     pub fallbacks: u64,
     /// See [`Stats::memory_squeezes`].
@@ -299,7 +305,7 @@ impl StatsSnapshot {
     pub fn to_json(&self) -> String {
         format!(
             concat!(
-                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"full_commits\":{},",
+                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
@@ -310,6 +316,7 @@ impl StatsSnapshot {
             self.fsyncs_noop,
             self.fsyncs_relogged,
             self.log_commits,
+            self.log_commits_overlapped,
             self.commits,
             self.fallbacks,
             self.shared_cows,
@@ -356,6 +363,11 @@ impl StatsSnapshot {
             self.fsyncs_relogged.to_string(),
         );
         row(&mut s, "log commits", self.log_commits.to_string());
+        row(
+            &mut s,
+            "  beside another",
+            self.log_commits_overlapped.to_string(),
+        );
         row(&mut s, "full commits", self.commits.to_string());
         row(&mut s, "log fallbacks", self.fallbacks.to_string());
         row(

@@ -133,6 +133,62 @@ fn fsyncs_of_many_threads_are_answered_from_the_group_commit() {
     }
 }
 
+/// Over the rings each fsync's own thread commits its group when it can, beside the
+/// others (no wakeup of another thread to answer it): group commits overlap. Every
+/// fsynced file is whole after a kill -9 of the daemon. Through `/dev/fuse` one
+/// group commit runs at a time.
+#[test]
+fn group_commits_run_side_by_side_over_the_rings_and_one_at_a_time_through_dev_fuse() {
+    if !kernel_has_uring() {
+        return;
+    }
+    let plain = extra_mount_options().is_empty();
+    for (opts, rings) in [(&["uring=on"][..], true), (&[][..], false)] {
+        if !rings && !plain {
+            continue;
+        }
+        let mut m = Mount::with_options(opts);
+        let before = daemon_stats(&m);
+        let threads: Vec<_> = (0..8u64)
+            .map(|t| {
+                let dir = m.root().to_path_buf();
+                std::thread::spawn(move || {
+                    for i in 0..30 {
+                        let p = dir.join(format!("t{t}-{i}"));
+                        let mut f = fs::File::create(&p).unwrap();
+                        f.write_all(pattern(t * 1000 + i, 9000)).unwrap();
+                        f.sync_all().unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let after = daemon_stats(&m);
+        let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
+        assert!(d("fsyncs") >= 240, "fsyncs: {}", d("fsyncs"));
+        if rings {
+            assert!(
+                d("log_commits_overlapped") > 0,
+                "no group commit ran beside another ({} log commits)",
+                d("log_commits")
+            );
+        } else {
+            assert_eq!(d("log_commits_overlapped"), 0, "through /dev/fuse");
+        }
+        m.kill_daemon();
+        m.mount();
+        for t in 0..8u64 {
+            for i in 0..30u64 {
+                let got = fs::read(m.path(format!("t{t}-{i}"))).unwrap();
+                assert_bytes_eq(&got, pattern(t * 1000 + i, 9000), 0, "fsynced file");
+            }
+        }
+        m.unmount();
+    }
+}
+
 #[test]
 fn large_directories_and_large_reads_fill_the_ring_entries() {
     if !kernel_has_uring() {

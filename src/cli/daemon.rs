@@ -155,7 +155,10 @@ fn mount_serve(
     let rings = if served.uring_agreed() {
         let (rings, r) = uring::Rings::start(&served, session.as_fd(), mo.ring);
         match r {
-            Ok(()) => tracing::info!("serving FUSE requests through io_uring queues"),
+            Ok(()) => {
+                tracing::info!("serving FUSE requests through io_uring queues");
+                served.fsync_committers(uring_committers(rings.threads()));
+            }
             Err(e) if mo.uring == UringMode::On => {
                 bail!("uring=on, but the io_uring queues could not be registered: {e}")
             }
@@ -268,6 +271,12 @@ fn mount_serve(
     fs.commit().context("final commit failed")?;
     r.context("FUSE session failed")?;
     Ok(())
+}
+
+/// How many group commits may run at once when `threads` serve the io_uring queues:
+/// half of them, so that at most half the threads wait for flushes at a time.
+fn uring_committers(threads: usize) -> usize {
+    (threads / 2).max(1)
 }
 
 /// Whether to offer the kernel FUSE over io_uring, for the `uring=` option. `on`

@@ -3,7 +3,9 @@
 //!
 //! Model: writes between two flushes may reach the disk in any order, in part (a
 //! multi-block write may be torn at 4 KiB boundaries), or not at all; a flush makes
-//! every earlier write durable.
+//! every earlier write durable. A flush that takes time
+//! ([`CrashDev::set_flush_delay`]) is recorded when it returns and makes durable what
+//! was written before it began ([`CrashDev::flush_covers`]).
 
 use std::io;
 
@@ -31,6 +33,8 @@ struct Inner {
     base: Vec<u8>,
     live: Vec<u8>,
     ops: Vec<CrashOp>,
+    /// For each flush, in the order of `ops`: how many ops came before it began.
+    covers: Vec<usize>,
     fail_after: Option<usize>,
 }
 
@@ -38,6 +42,9 @@ struct Inner {
 #[derive(Debug)]
 pub struct CrashDev {
     inner: Mutex<Inner>,
+    /// How long each flush takes after it is recorded, in µs (see
+    /// [`CrashDev::set_flush_delay`]).
+    flush_delay_us: std::sync::atomic::AtomicU64,
 }
 
 impl CrashDev {
@@ -48,9 +55,20 @@ impl CrashDev {
                 live: image.clone(),
                 base: image,
                 ops: Vec::new(),
+                covers: Vec::new(),
                 fail_after: None,
             }),
+            flush_delay_us: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Makes each flush take `d`, as a device's flush takes time: it is recorded when
+    /// it returns and covers only the writes recorded before it began, so flushes of
+    /// concurrent callers overlap and a write made during one is not durable by it.
+    pub fn set_flush_delay(&self, d: std::time::Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        self.flush_delay_us
+            .store(us, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The operations recorded so far.
@@ -101,6 +119,20 @@ impl CrashDev {
             .collect()
     }
 
+    /// For each flush, in the order recorded: the index just after it (as
+    /// [`CrashDev::flush_points`]) and how many ops came before it began (all before
+    /// it, unless it took time).
+    pub fn flush_covers(&self) -> Vec<(usize, usize)> {
+        let g = self.inner.lock();
+        let points = g
+            .ops
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| matches!(o, CrashOp::Flush))
+            .map(|(i, _)| i + 1);
+        points.zip(g.covers.iter().copied()).collect()
+    }
+
     fn check_fail(g: &Inner) -> io::Result<()> {
         match g.fail_after {
             Some(n) if g.ops.len() >= n => Err(io::Error::from_raw_os_error(libc::EIO)),
@@ -128,9 +160,25 @@ impl BlockDev for CrashDev {
         Ok(())
     }
     fn flush(&self) -> io::Result<()> {
+        let us = self
+            .flush_delay_us
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let began = if us > 0 {
+            let began = {
+                let g = self.inner.lock();
+                Self::check_fail(&g)?;
+                g.ops.len()
+            };
+            std::thread::sleep(std::time::Duration::from_micros(us));
+            Some(began)
+        } else {
+            None
+        };
         let mut g = self.inner.lock();
         Self::check_fail(&g)?;
+        let covers = began.unwrap_or(g.ops.len());
         g.ops.push(CrashOp::Flush);
+        g.covers.push(covers);
         Ok(())
     }
     fn size(&self) -> u64 {
@@ -156,6 +204,27 @@ mod tests {
         let torn = d.image_with(2, &[(4096, &[2; 100])]);
         assert_eq!(torn[4096 + 99], 2);
         assert_eq!(torn[4096 + 100], 0);
+    }
+
+    /// A flush that takes time is recorded when it returns and covers only what was
+    /// written before it began; an instant one covers everything before it.
+    #[test]
+    fn a_slow_flush_covers_what_was_written_before_it_began() {
+        let d = std::sync::Arc::new(CrashDev::new(vec![0; 8192]));
+        d.write_at(&[1; 4096], 0).unwrap();
+        d.flush().unwrap();
+        assert_eq!(d.flush_covers(), vec![(2, 1)]);
+        d.set_flush_delay(std::time::Duration::from_millis(1000));
+        let t = {
+            let d = d.clone();
+            std::thread::spawn(move || d.flush().unwrap())
+        };
+        // Written while the flush is under way (it began well before this).
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        d.write_at(&[2; 4096], 4096).unwrap();
+        t.join().unwrap();
+        assert_eq!(d.flush_points(), vec![2, 4]);
+        assert_eq!(d.flush_covers(), vec![(2, 1), (4, 2)]);
     }
 
     #[test]

@@ -571,6 +571,11 @@ impl Fs {
         crate::stats::Stats::add(c, 1);
     }
 
+    /// Counts a group commit that began while another was still at work.
+    pub fn count_overlapped_log_commit(&self) {
+        crate::stats::Stats::add(&self.stats.log_commits_overlapped, 1);
+    }
+
     /// Counts a FUSE request that came through an io_uring queue.
     pub fn count_uring_request(&self) {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);

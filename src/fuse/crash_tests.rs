@@ -163,6 +163,19 @@ fn check_state(dev: &CrashDev, upto: usize, answered_by: usize, records: &[Recor
 /// before the next flush.
 #[test]
 fn fsyncs_answered_by_the_group_commit_survive_a_power_cut_at_any_moment() {
+    power_cuts_under_group_commit(1);
+}
+
+/// The same with several group commits at once (as over io_uring): a commit whose
+/// flush ends first answers only what that flush covered.
+#[test]
+fn fsyncs_answered_by_concurrent_group_commits_survive_a_power_cut_at_any_moment() {
+    power_cuts_under_group_commit(THREADS);
+}
+
+/// Runs [`writer`] on [`THREADS`] threads with up to `committers` group commits at
+/// once, then checks the disk a power cut leaves at every flush.
+fn power_cuts_under_group_commit(committers: usize) {
     let base = Arc::new(MemDev::new(32 << 20));
     Fs::mkfs(
         base.clone(),
@@ -173,6 +186,10 @@ fn fsyncs_answered_by_the_group_commit_survive_a_power_cut_at_any_moment() {
     )
     .unwrap();
     let dev = Arc::new(CrashDev::new(base.image()));
+    if committers > 1 {
+        // Flushes that take time, so that group commits overlap.
+        dev.set_flush_delay(Duration::from_micros(300));
+    }
     let fs = Arc::new(
         Fs::open(
             dev.clone(),
@@ -185,6 +202,7 @@ fn fsyncs_answered_by_the_group_commit_survive_a_power_cut_at_any_moment() {
     );
     let ffs = FuseFs::new(fs.clone());
     ffs.gather_fsyncs(true);
+    ffs.fsync_committers(committers);
     let start = dev.op_count();
     let records: Vec<Record> = std::thread::scope(|sc| {
         let hs: Vec<_> = (0..THREADS)
@@ -196,17 +214,19 @@ fn fsyncs_answered_by_the_group_commit_survive_a_power_cut_at_any_moment() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     drop(ffs);
+    let fs_stats = fs.stats();
     drop(fs);
-    let all = dev.flush_points();
+    // Each flush as (the index just after it, how many ops came before it began).
+    let all = dev.flush_covers();
     // The state before the first flush of the run: the last flush of the setup.
     let first = all
         .iter()
         .copied()
-        .filter(|&p| p <= start)
+        .filter(|&(p, _)| p <= start)
         .max()
-        .unwrap_or(0);
-    let flushes: Vec<usize> = std::iter::once(first)
-        .chain(all.into_iter().filter(|&p| p > start))
+        .unwrap_or((0, 0));
+    let flushes: Vec<(usize, usize)> = std::iter::once(first)
+        .chain(all.into_iter().filter(|&(p, _)| p > start))
         .collect();
     let stats = (dev.op_count(), flushes.len());
     assert!(
@@ -215,16 +235,24 @@ fn fsyncs_answered_by_the_group_commit_survive_a_power_cut_at_any_moment() {
     );
     let answered = records.iter().map(|r| r.promises.len()).sum::<usize>();
     assert_eq!(answered, THREADS * ROUNDS);
+    let overlapped = fs_stats.log_commits_overlapped;
+    if committers == 1 {
+        assert_eq!(overlapped, 0, "a second group commit ran beside the first");
+    }
     eprintln!(
-        "{answered} fsyncs answered with {} flushes",
+        "{answered} fsyncs answered with {} flushes ({overlapped} group commits beside another)",
         flushes.len() - 1
     );
-    for (i, &p) in flushes.iter().enumerate() {
-        // Until the next flush is recorded (its index is next - 1), nothing later
-        // is durable.
-        let next = flushes.get(i + 1).copied().unwrap_or(usize::MAX);
+    // What the flushes ended so far made durable: a flush covers what was written
+    // before it began, and one that ends later may have begun earlier.
+    let mut durable = 0;
+    for (i, &(p, covers)) in flushes.iter().enumerate() {
+        durable = durable.max(covers);
+        // Until the next flush ends (its index is next - 1), nothing later is
+        // durable.
+        let next = flushes.get(i + 1).map_or(usize::MAX, |&(n, _)| n);
         let answered_by = next - 1;
-        check_state(&dev, p, answered_by, &records);
+        check_state(&dev, durable, answered_by, &records);
         let before_next = next.min(dev.op_count() + 1) - 1;
         if before_next > p {
             check_state(&dev, before_next, answered_by, &records);

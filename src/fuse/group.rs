@@ -1,9 +1,10 @@
 //! Group commit of fsyncs for the FUSE servers (leader and followers).
 //!
 //! An fsync whose data and records are ready joins the queue. If no group is being
-//! committed, its own request thread becomes the committer: it takes everything
-//! queued, makes the log durable up to the highest target with one batch and one
-//! flush, answers every fsync of the group, and goes on while more are queued.
+//! committed (over io_uring: fewer groups than allowed, see "Several committers"),
+//! its own request thread becomes the committer: it takes everything queued, makes
+//! the log durable up to the highest target with one batch and one flush, answers
+//! every fsync of the group, and goes on while more are queued.
 //! Otherwise the request thread returns at once and the committer answers the fsync
 //! later. No request thread ever waits for another's fsync, and no thread hop delays
 //! the first one.
@@ -39,6 +40,22 @@
 //! requests that bring the awaited fsyncs: with two request threads, fs_mark's
 //! creates took twice as long, and W4 on a loop device ran 25% slower than without
 //! gathering.)
+//!
+//! Several committers. Through `/dev/fuse` a committer answers every fsync of its
+//! group itself: each answer is one write to the device that wakes its caller. Over
+//! io_uring an answer goes back through the ring of the thread that took the
+//! request, and only that thread submits to its ring, so answering another thread's
+//! fsync posts it to that thread's mailbox and wakes it: one more wakeup per fsync.
+//! So over io_uring several committers may work at once ([`FsyncQueue::set_committers`]):
+//! an fsync whose thread finds fewer at work commits the queue (mostly its own
+//! fsync) itself, and the flushes run side by side (the device serves them in
+//! parallel; `Fs::log_sync` writes the batches one at a time in log order and has
+//! each flush answer only for what was written before it began). By hand on a 2-CPU
+//! VM, fio's 4 KiB overwrites with fdatasync went from 42-48 to 60-63 MiB/s (fsync
+//! p50 289-338 to 222-234 µs) and fs_mark's creates with fsync from 10,100-11,600 to
+//! 11,700-14,800 files/s. Several committers never gather. Through `/dev/fuse` one
+//! committer stays: several were no faster there with fio and slower with fs_mark
+//! (more flushes for the same fsyncs).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -179,8 +196,8 @@ pub(crate) struct Gather {
 pub(crate) struct QueueState {
     /// Fsyncs ready for the log.
     ready: Vec<PendingFsync>,
-    /// Whether a committer is at work.
-    committing: bool,
+    /// Committers at work.
+    committing: usize,
     /// Fsyncs on request threads that are writing their data back and will join
     /// `ready` in a moment (or be answered at once).
     preparing: usize,
@@ -354,6 +371,9 @@ pub(crate) struct FsyncQueue {
     alarm: std::sync::OnceLock<Alarm>,
     /// Whether committers wait to gather.
     gather: std::sync::atomic::AtomicBool,
+    /// How many committers may be at work at once (0 counts as 1); see the module's
+    /// "Several committers".
+    committers: std::sync::atomic::AtomicUsize,
 }
 
 /// An fsync counted as preparing; dropping it uncounts it (also when the fsync
@@ -390,6 +410,20 @@ impl FsyncQueue {
         self.gather.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Lets up to `n` committers work at once (see the module's "Several
+    /// committers"); with more than one, committers never gather.
+    pub(crate) fn set_committers(&self, n: usize) {
+        self.committers
+            .store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How many committers may be at work at once.
+    fn committers(&self) -> usize {
+        self.committers
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .max(1)
+    }
+
     /// Notes an fsync from thread `pid`, counted as preparing until it is queued or
     /// answered.
     pub(crate) fn preparing(&self, pid: u32, now: Instant) -> Preparing<'_> {
@@ -416,7 +450,7 @@ impl FsyncQueue {
                 st.prepared();
             }
             st.ready.push(p);
-            if st.committing {
+            if st.committing >= self.committers() {
                 return;
             }
             if let Some((g, _)) = st.gathering {
@@ -432,7 +466,7 @@ impl FsyncQueue {
     /// Makes the caller the committer (`st` locked); it takes over the gather under
     /// way, if any: disarms its alarm and gives when it began.
     fn become_committer(&self, st: &mut QueueState) -> Option<Instant> {
-        st.committing = true;
+        st.committing += 1;
         let since = st.gathering.take().map(|(_, since)| since);
         if since.is_some() {
             self.arm(st, Instant::now());
@@ -446,7 +480,8 @@ impl FsyncQueue {
     /// thread leaves, and the fsync that completes the gather (or the timer thread)
     /// commits it.
     fn commit_groups(&self, fs: &Fs, gathered: Option<Instant>) {
-        let gather = self.gather.load(std::sync::atomic::Ordering::Relaxed);
+        let gather =
+            self.gather.load(std::sync::atomic::Ordering::Relaxed) && self.committers() == 1;
         let mut may_gather = gathered.is_none();
         if let Some(since) = gathered {
             fs.record_fsync_gather_latency(since.elapsed());
@@ -458,15 +493,18 @@ impl FsyncQueue {
                     let now = Instant::now();
                     if let Some(g) = st.gather(now) {
                         st.gathering = Some((g, now));
-                        st.committing = false;
+                        st.committing -= 1;
                         self.arm(&st, now);
                         return;
                     }
                 }
                 may_gather = true;
                 if st.ready.is_empty() {
-                    st.committing = false;
+                    st.committing -= 1;
                     break;
+                }
+                if st.committing > 1 {
+                    fs.count_overlapped_log_commit();
                 }
                 std::mem::take(&mut st.ready)
             };
@@ -720,7 +758,7 @@ mod tests {
         assert!(!done1.load(Ordering::SeqCst));
         {
             let st = q.state.lock();
-            assert!(st.gathering.is_some() && !st.committing);
+            assert!(st.gathering.is_some() && st.committing == 0);
             assert_eq!(st.ready.len(), 1);
         }
         assert!(q.alarm.get().unwrap().armed(), "the gather set no alarm");
@@ -730,9 +768,53 @@ mod tests {
         q.submit(&fs, p7, None);
         assert!(done1.load(Ordering::SeqCst) && done7.load(Ordering::SeqCst));
         let st = q.state.lock();
-        assert!(st.gathering.is_none() && !st.committing && st.ready.is_empty());
+        assert!(st.gathering.is_none() && st.committing == 0 && st.ready.is_empty());
         // Its time is not up: the timer thread must not wake for it.
         assert!(!q.alarm.get().unwrap().armed(), "the alarm is still armed");
+    }
+
+    /// With one committer allowed, an fsync that comes while a committer is at work
+    /// waits for it; with two, its thread commits the queue at once, beside the
+    /// other, and counts the overlap.
+    #[test]
+    fn a_second_committer_works_beside_the_first_only_when_allowed() {
+        let dev = Arc::new(MemDev::new(64 << 20));
+        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+        let fs = Arc::new(Fs::open(dev, Options::default()).unwrap());
+        let q = FsyncQueue::default();
+        // Another thread is committing.
+        q.state.lock().committing = 1;
+        let (p1, done1) = pending(1);
+        q.submit(&fs, p1, None);
+        assert!(
+            !done1.load(Ordering::SeqCst),
+            "answered beside the committer"
+        );
+        assert_eq!(q.state.lock().ready.len(), 1);
+        q.set_committers(2);
+        let (p2, done2) = pending(2);
+        q.submit(&fs, p2, None);
+        assert!(done1.load(Ordering::SeqCst) && done2.load(Ordering::SeqCst));
+        let st = q.state.lock();
+        assert!(st.ready.is_empty());
+        assert_eq!(st.committing, 1, "the other committer is still counted");
+        assert_eq!(fs.stats().log_commits_overlapped, 1);
+    }
+
+    /// Several committers never gather: each commits at once what is queued.
+    #[test]
+    fn with_several_committers_nothing_is_gathered() {
+        let (fs, q) = gathering_queue();
+        q.set_committers(2);
+        let (p1, done1) = pending(1);
+        q.submit(&fs, p1, None);
+        assert!(
+            done1.load(Ordering::SeqCst),
+            "the fsync waited for a gather"
+        );
+        let st = q.state.lock();
+        assert!(st.gathering.is_none() && st.committing == 0);
+        assert_eq!(fs.stats().log_commits_overlapped, 0);
     }
 
     #[test]

@@ -212,6 +212,12 @@ impl FuseFs {
         self.fsyncs.set_gather(on && self.workers.timer.is_some());
     }
 
+    /// Lets up to `n` group commits of fsyncs run at once (for FUSE over io_uring,
+    /// where a committer answers other threads' fsyncs only through their threads).
+    pub fn fsync_committers(&self, n: usize) {
+        self.fsyncs.set_committers(n);
+    }
+
     /// Offers the kernel FUSE over io_uring at INIT; [`FuseFs::uring_agreed`] tells
     /// afterwards whether it took it.
     pub fn offer_uring(&mut self) {

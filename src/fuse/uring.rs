@@ -208,6 +208,11 @@ impl Rings {
         }
     }
 
+    /// How many threads serve the queues.
+    pub fn threads(&self) -> usize {
+        self.threads.len()
+    }
+
     /// Waits up to `limit` for the threads, which end when the kernel tears the
     /// connection's queues down (at unmount); threads still running then are left.
     pub fn join(self, limit: Duration) {
