@@ -40,6 +40,37 @@ fn uring_requests(m: &Mount) -> u64 {
         .expect("uring_requests")
 }
 
+/// `threads` threads at once each create `files` files `t{t}-{i}` of `len` bytes in
+/// the mount's root, fsyncing each.
+fn fsync_files_in_threads(m: &Mount, threads: u64, files: u64, len: usize) {
+    let hs: Vec<_> = (0..threads)
+        .map(|t| {
+            let dir = m.root().to_path_buf();
+            std::thread::spawn(move || {
+                for i in 0..files {
+                    let p = dir.join(format!("t{t}-{i}"));
+                    let mut f = fs::File::create(&p).unwrap();
+                    f.write_all(pattern(t * 1000 + i, len)).unwrap();
+                    f.sync_all().unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+}
+
+/// Checks every file [`fsync_files_in_threads`] made.
+fn check_fsynced_files(m: &Mount, threads: u64, files: u64, len: usize) {
+    for t in 0..threads {
+        for i in 0..files {
+            let got = fs::read(m.path(format!("t{t}-{i}"))).unwrap();
+            assert_bytes_eq(&got, pattern(t * 1000 + i, len), 0, "fsynced file");
+        }
+    }
+}
+
 #[test]
 fn requests_travel_through_the_rings_and_the_data_survives_a_remount() {
     if !kernel_has_uring() {
@@ -95,22 +126,7 @@ fn fsyncs_of_many_threads_are_answered_from_the_group_commit() {
     // thread's group commit reach their ring through its mailbox.
     let m = Mount::with_options(&["uring=on", "uring_threads=1", "uring_depth=4"]);
     let before = daemon_stats(&m);
-    let threads: Vec<_> = (0..12u64)
-        .map(|t| {
-            let dir = m.root().to_path_buf();
-            std::thread::spawn(move || {
-                for i in 0..40 {
-                    let p = dir.join(format!("t{t}-{i}"));
-                    let mut f = fs::File::create(&p).unwrap();
-                    f.write_all(pattern(t * 1000 + i, 5000)).unwrap();
-                    f.sync_all().unwrap();
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+    fsync_files_in_threads(&m, 12, 40, 5000);
     let after = daemon_stats(&m);
     let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
     assert!(
@@ -125,12 +141,7 @@ fn fsyncs_of_many_threads_are_answered_from_the_group_commit() {
         d("fsyncs")
     );
     assert!(d("uring_requests") >= 480 * 3);
-    for t in 0..12u64 {
-        for i in 0..40u64 {
-            let got = fs::read(m.path(format!("t{t}-{i}"))).unwrap();
-            assert_bytes_eq(&got, pattern(t * 1000 + i, 5000), 0, "fsynced file");
-        }
-    }
+    check_fsynced_files(&m, 12, 40, 5000);
 }
 
 /// Over the rings each fsync's own thread commits its group when it can, beside the
@@ -149,22 +160,7 @@ fn group_commits_run_side_by_side_over_the_rings_and_one_at_a_time_through_dev_f
         }
         let mut m = Mount::with_options(opts);
         let before = daemon_stats(&m);
-        let threads: Vec<_> = (0..8u64)
-            .map(|t| {
-                let dir = m.root().to_path_buf();
-                std::thread::spawn(move || {
-                    for i in 0..30 {
-                        let p = dir.join(format!("t{t}-{i}"));
-                        let mut f = fs::File::create(&p).unwrap();
-                        f.write_all(pattern(t * 1000 + i, 9000)).unwrap();
-                        f.sync_all().unwrap();
-                    }
-                })
-            })
-            .collect();
-        for t in threads {
-            t.join().unwrap();
-        }
+        fsync_files_in_threads(&m, 8, 30, 9000);
         let after = daemon_stats(&m);
         let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
         assert!(d("fsyncs") >= 240, "fsyncs: {}", d("fsyncs"));
@@ -179,12 +175,7 @@ fn group_commits_run_side_by_side_over_the_rings_and_one_at_a_time_through_dev_f
         }
         m.kill_daemon();
         m.mount();
-        for t in 0..8u64 {
-            for i in 0..30u64 {
-                let got = fs::read(m.path(format!("t{t}-{i}"))).unwrap();
-                assert_bytes_eq(&got, pattern(t * 1000 + i, 9000), 0, "fsynced file");
-            }
-        }
+        check_fsynced_files(&m, 8, 30, 9000);
         m.unmount();
     }
 }
