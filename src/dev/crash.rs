@@ -42,7 +42,7 @@ struct Inner {
 #[derive(Debug)]
 pub struct CrashDev {
     inner: Mutex<Inner>,
-    /// How long each flush takes after it is recorded, in µs (see
+    /// How long each flush takes before it is recorded, in µs (see
     /// [`CrashDev::set_flush_delay`]).
     flush_delay_us: std::sync::atomic::AtomicU64,
 }
