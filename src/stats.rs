@@ -42,10 +42,11 @@ pub struct Stats {
     pub dev_log_bytes: AtomicU64,
     /// Device flushes.
     pub flushes: AtomicU64,
-    /// Commits of the fsync log (group commits).
+    /// Log batches written: one per group commit that had records of its own to write.
     pub log_commits: AtomicU64,
     /// Group commits that began while another was still at work (FUSE over
-    /// io_uring lets several run at once).
+    /// io_uring lets several run at once); one whose records another's batch already
+    /// wrote only flushes, so this can exceed `log_commits`, which counts batches.
     pub log_commits_overlapped: AtomicU64,
     /// fsyncs the log could not serve, done as full commits.
     pub fallbacks: AtomicU64,
@@ -365,7 +366,7 @@ impl StatsSnapshot {
         row(&mut s, "log commits", self.log_commits.to_string());
         row(
             &mut s,
-            "  beside another",
+            "overlapped commits",
             self.log_commits_overlapped.to_string(),
         );
         row(&mut s, "full commits", self.commits.to_string());
