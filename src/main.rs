@@ -78,6 +78,10 @@ enum Cmd {
     },
     /// Unmount MOUNTPOINT and wait until its daemon has committed everything and exited
     Umount {
+        /// Give up waiting after this many seconds (the unmount itself stays done; the
+        /// daemon goes on with its last commit): exit 1 and say so
+        #[arg(long, value_name = "SECONDS")]
+        timeout: Option<u64>,
         /// The mountpoint
         mountpoint: PathBuf,
     },
@@ -638,7 +642,10 @@ fn run() -> Result<ExitCode> {
                 }
             });
         }
-        Cmd::Umount { mountpoint } => cli::umount::umount(&mountpoint)?,
+        Cmd::Umount {
+            timeout,
+            mountpoint,
+        } => cli::umount::umount(&mountpoint, timeout.map(Duration::from_secs))?,
         Cmd::Stats {
             json,
             space,

@@ -3811,6 +3811,78 @@ fn birchfs_umount_leaves_a_mount_whose_image_it_cannot_open() {
     assert!(image_unlocked(m.image()));
 }
 
+/// `birchfs umount --timeout` stops waiting for a daemon that does not finish (here,
+/// stopped) with an error naming it; the mount is gone, and the daemon ends by itself
+/// once it runs again, with everything written.
+#[test]
+fn birchfs_umount_gives_up_after_its_timeout() {
+    let mut m = Mount::new();
+    fs::write(m.path("f"), b"kept").unwrap();
+    let pids = processes_naming(m.image());
+    assert_eq!(pids.len(), 1, "daemons: {pids:?}");
+    let signal = |sig| {
+        // SAFETY: kill on the daemon's pid, found in /proc.
+        unsafe { libc::kill(pids[0] as i32, sig) }
+    };
+    signal(libc::SIGSTOP);
+    let t0 = std::time::Instant::now();
+    let out = m.birchfs_umount_with(&["--timeout", "1"]);
+    let took = t0.elapsed();
+    signal(libc::SIGCONT);
+    assert!(!out.status.success(), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("(pid {})", pids[0])) && err.contains("after 1 s"),
+        "{}",
+        describe(&out)
+    );
+    assert!(took < Duration::from_secs(10), "gave up after {took:?}");
+    assert!(!is_mounted_at(m.root()), "still mounted");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !image_unlocked(m.image()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon never ended"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    m.mount();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
+}
+
+/// `birchfs umount` waits for the daemon it unmounted, not for the image's lock: when
+/// another process takes the lock as the daemon ends, it still returns.
+#[test]
+fn birchfs_umount_returns_when_its_daemon_ends_though_another_takes_the_lock() {
+    let mut m = Mount::new();
+    let pids = processes_naming(m.image());
+    assert_eq!(pids.len(), 1, "daemons: {pids:?}");
+    // SAFETY: kill on the daemon's pid, found in /proc.
+    unsafe { libc::kill(pids[0] as i32, libc::SIGSTOP) };
+    let (mnt, img) = (m.root().to_path_buf(), m.image().to_path_buf());
+    let umount = std::thread::spawn(move || {
+        try_run(
+            Command::new(BIN).arg("umount").arg(&mnt),
+            Duration::from_secs(20),
+        )
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while is_mounted_at(m.root()) {
+        assert!(std::time::Instant::now() < deadline, "never unmounted");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The daemon dies (a crash while stopped); this test takes the lock at once.
+    // SAFETY: as above.
+    unsafe { libc::kill(pids[0] as i32, libc::SIGKILL) };
+    let holder = File::open(&img).unwrap();
+    // SAFETY: flock on a valid fd owned by `holder`; it waits for the dead daemon's.
+    assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let out = umount.join().unwrap();
+    drop(holder);
+    let out = out.expect("birchfs umount still waited with its daemon gone");
+    assert!(out.status.success(), "{}", describe(&out));
+}
+
 /// `birchfs umount` returns once the daemon has written everything and let go of the
 /// image, where `umount` returns while the daemon is still committing. Neither
 /// leaves a warning in the daemon's log.

@@ -49,10 +49,73 @@ pub(crate) fn mounted_image(mountinfo: &str, mountpoint: &Path) -> Option<PathBu
     is_fuse.then(|| PathBuf::from(image))
 }
 
+/// The pid holding an exclusive flock on the file with device `major:minor` and inode
+/// `ino`, from the text of /proc/locks.
+pub(crate) fn flock_holder(locks: &str, major: u32, minor: u32, ino: u64) -> Option<u32> {
+    locks.lines().find_map(|line| {
+        // "1: FLOCK  ADVISORY  WRITE 11356 fe:00:780114 0 EOF"; a waiter's line has
+        // "->" after the number.
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.get(1) != Some(&"FLOCK") || f.get(3) != Some(&"WRITE") {
+            return None;
+        }
+        let pid = f.get(4)?.parse().ok()?;
+        let mut id = f.get(5)?.split(':');
+        let maj = u32::from_str_radix(id.next()?, 16).ok()?;
+        let min = u32::from_str_radix(id.next()?, 16).ok()?;
+        let i: u64 = id.next()?.parse().ok()?;
+        (maj == major && min == minor && i == ino).then_some(pid)
+    })
+}
+
+/// The daemon that holds an image's lock, watched through a pidfd so that its exit
+/// is seen even if another process takes the lock right after it.
+struct Daemon {
+    pid: u32,
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Daemon {
+    /// The holder of `image`'s lock, if /proc/locks names one that can be watched.
+    fn of(image: &std::fs::File) -> Option<Daemon> {
+        use std::os::fd::FromRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let md = image.metadata().ok()?;
+        let locks = std::fs::read_to_string("/proc/locks").ok()?;
+        let pid = flock_holder(
+            &locks,
+            libc::major(md.dev()),
+            libc::minor(md.dev()),
+            md.ino(),
+        )?;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        Some(Daemon { pid, fd })
+    }
+
+    /// Whether the process has exited (its pidfd polls readable).
+    fn exited(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll on one valid pollfd, without waiting.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
+    }
+}
+
 /// Unmounts the birchfs at `mountpoint` and waits until its daemon has written its last
 /// commit and let go of the image, as `umount` of a kernel filesystem returns only
-/// once everything is on disk.
-pub(crate) fn umount(mountpoint: &Path) -> Result<()> {
+/// once everything is on disk; after `timeout`, if given, it stops waiting with an
+/// error (the daemon goes on).
+pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let info = std::fs::read_to_string("/proc/self/mountinfo")
         .context("cannot read /proc/self/mountinfo")?;
@@ -75,6 +138,7 @@ pub(crate) fn umount(mountpoint: &Path) -> Result<()> {
             image.display()
         )
     })?;
+    let daemon = Daemon::of(&file);
     let target = abs.as_os_str().as_bytes();
     let c = std::ffi::CString::new(target).context("mountpoint with a NUL byte")?;
     // SAFETY: umount2 on a valid C string.
@@ -99,6 +163,10 @@ pub(crate) fn umount(mountpoint: &Path) -> Result<()> {
             _ => bail!("cannot unmount {}: {e}", abs.display()),
         }
     }
+    let who = match &daemon {
+        Some(d) => format!("the daemon of {} (pid {})", image.display(), d.pid),
+        None => format!("the daemon of {}", image.display()),
+    };
     let start = Instant::now();
     let mut told = false;
     loop {
@@ -115,13 +183,22 @@ pub(crate) fn umount(mountpoint: &Path) -> Result<()> {
         }
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            bail!("cannot wait for the daemon of {}: {e}", image.display());
+            bail!("cannot wait for {who}: {e}");
+        }
+        // Gone, and someone else holds the lock now (a new mount of the image).
+        if daemon.as_ref().is_some_and(Daemon::exited) {
+            return Ok(());
+        }
+        if let Some(t) = timeout.filter(|&t| start.elapsed() >= t) {
+            bail!(
+                "{} is unmounted, but {who} has not finished its last commit after {} s; \
+                 it goes on by itself, and the image can be mounted or checked once it ends",
+                abs.display(),
+                t.as_secs_f64()
+            );
         }
         if !told && start.elapsed() > Duration::from_secs(1) {
-            eprintln!(
-                "birchfs umount: waiting for the daemon of {} to write its last commit",
-                image.display()
-            );
+            eprintln!("birchfs umount: waiting for {who} to write its last commit");
             told = true;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -155,5 +232,23 @@ mod tests {
             None,
             "the top mount is not birchfs"
         );
+    }
+
+    /// The holder is the process with the exclusive flock on that very file: not a
+    /// waiter, not a shared or POSIX lock, not another file or device.
+    #[test]
+    fn flock_holder_reads_the_lock_table() {
+        let locks = "\
+1: POSIX  ADVISORY  WRITE 100 fe:00:42 0 EOF
+2: FLOCK  ADVISORY  READ  200 fe:00:42 0 EOF
+3: FLOCK  ADVISORY  WRITE 300 fe:01:42 0 EOF
+4: FLOCK  ADVISORY  WRITE 400 fe:00:43 0 EOF
+4: -> FLOCK  ADVISORY  WRITE 500 fe:00:42 0 EOF
+5: FLOCK  ADVISORY  WRITE 11356 fe:00:42 0 EOF
+";
+        assert_eq!(flock_holder(locks, 0xfe, 0, 42), Some(11356));
+        assert_eq!(flock_holder(locks, 0xfe, 1, 42), Some(300));
+        assert_eq!(flock_holder(locks, 0xfe, 0, 44), None);
+        assert_eq!(flock_holder("", 0xfe, 0, 42), None);
     }
 }

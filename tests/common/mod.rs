@@ -615,12 +615,19 @@ impl Mount {
     /// counts as gone when it succeeded.
     #[track_caller]
     pub fn birchfs_umount(&mut self) -> Output {
+        self.birchfs_umount_with(&[])
+    }
+
+    /// [`Mount::birchfs_umount`] with options before the mount point; the mount counts
+    /// as gone when it is no longer in the mount table.
+    #[track_caller]
+    pub fn birchfs_umount_with(&mut self, args: &[&str]) -> Output {
         assert!(self.mounted, "unmount: not mounted");
         let out = run(
-            Command::new(BIN).arg("umount").arg(&self.mnt),
+            Command::new(BIN).arg("umount").args(args).arg(&self.mnt),
             UMOUNT_TIMEOUT,
         );
-        if out.status.success() {
+        if out.status.success() || !is_mounted_at(&self.mnt) {
             self.mounted = false;
         }
         out
