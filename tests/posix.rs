@@ -3854,7 +3854,7 @@ fn birchfs_umount_gives_up_after_its_timeout() {
 /// another process takes the lock as the daemon ends, it still returns.
 #[test]
 fn birchfs_umount_returns_when_its_daemon_ends_though_another_takes_the_lock() {
-    let mut m = Mount::new();
+    let m = Mount::new();
     let pids = processes_naming(m.image());
     assert_eq!(pids.len(), 1, "daemons: {pids:?}");
     // SAFETY: kill on the daemon's pid, found in /proc.
