@@ -373,9 +373,18 @@ fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
         fsyncs >= THREADS * FILES,
         "every fsync reached the daemon: {fsyncs}"
     );
+    // Over io_uring (the suite's second pass) several group commits run at once, each
+    // mostly its own thread's fsync: there they may share none, but then they overlap.
+    let rings = extra_mount_options().iter().any(|o| o == "uring=on");
+    let overlapped = if rings {
+        d("log_commits_overlapped")
+    } else {
+        0
+    };
     assert!(
-        d("log_commits") < queued,
-        "concurrent fsyncs shared log commits ({} commits for {queued} fsyncs)",
+        d("log_commits") < queued || overlapped > 0,
+        "concurrent fsyncs neither shared log commits ({} commits for {queued} fsyncs) \
+         nor overlapped ({overlapped} over io_uring)",
         d("log_commits")
     );
     assert_eq!(
