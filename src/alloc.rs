@@ -180,6 +180,42 @@ impl Allocator {
         Ok((s, take))
     }
 
+    /// Free extents of at least `min_len` bytes within `[lo, hi)`, clipped to it, in
+    /// address order, up to `max_bytes` of them in all (the last one cut short).
+    pub(crate) fn free_within(
+        &self,
+        lo: u64,
+        hi: u64,
+        min_len: u64,
+        max_bytes: u64,
+    ) -> Vec<(u64, u64)> {
+        let first = self
+            .free
+            .range(..=lo)
+            .next_back()
+            .filter(|(&s, &l)| s + l > lo)
+            .map(|(&s, &l)| (s, l));
+        let mut out = Vec::new();
+        let mut total = 0;
+        for (s, l) in first.into_iter().chain(
+            self.free
+                .range(lo.saturating_add(1)..hi)
+                .map(|(&s, &l)| (s, l)),
+        ) {
+            let (s, e) = (s.max(lo), (s + l).min(hi));
+            if e <= s || e - s < min_len.max(1) {
+                continue;
+            }
+            let take = (e - s).min(max_bytes - total);
+            out.push((s, take));
+            total += take;
+            if total >= max_bytes {
+                break;
+            }
+        }
+        out
+    }
+
     /// Returns space that was allocated but never referenced (a failed operation).
     pub(crate) fn release_unused(&mut self, start: u64, len: u64) {
         self.add_free(start, len);
@@ -248,6 +284,46 @@ mod tests {
         a.unpin(p);
         assert_eq!(a.free_bytes(), before + 8192);
         assert_eq!(a.free.len(), 2, "freed range coalesced back");
+    }
+
+    /// Free extents are found within a window, clipped to it, long enough, in order,
+    /// and no more of them than asked; pinned space is not free.
+    #[test]
+    fn free_within_clips_filters_and_stops() {
+        let mut a = Allocator::new(0, 1 << 20, &[], 0);
+        // Used: [0, 64K), [96K, 100K), [200K, 1M); free: [64K, 96K), [100K, 200K).
+        a.mark_used(0, 64 << 10);
+        a.mark_used(96 << 10, 4 << 10);
+        a.mark_used(200 << 10, (1 << 20) - (200 << 10));
+        const K: u64 = 1 << 10;
+        assert_eq!(
+            a.free_within(0, 1 << 20, 0, u64::MAX),
+            vec![(64 * K, 32 * K), (100 * K, 100 * K)]
+        );
+        assert_eq!(
+            a.free_within(80 * K, 150 * K, 0, u64::MAX),
+            vec![(80 * K, 16 * K), (100 * K, 50 * K)],
+            "clipped to the window"
+        );
+        assert_eq!(
+            a.free_within(0, 1 << 20, 64 * K, u64::MAX),
+            vec![(100 * K, 100 * K)],
+            "too short"
+        );
+        assert_eq!(
+            a.free_within(0, 1 << 20, 0, 40 * K),
+            vec![(64 * K, 32 * K), (100 * K, 8 * K)],
+            "stops at max_bytes"
+        );
+        assert!(a.free_within(300 * K, 1 << 20, 0, u64::MAX).is_empty());
+        let (s, l) = a.alloc(4 * K, 4 * K, false).unwrap();
+        a.pin(s, l);
+        assert!(
+            !a.free_within(0, 1 << 20, 0, u64::MAX)
+                .iter()
+                .any(|&(fs, fl)| fs < s + l && s < fs + fl),
+            "an allocated, pinned extent is offered"
+        );
     }
 
     /// Space whose freeing commit became durable while writes into preallocated

@@ -45,6 +45,9 @@ enum Op {
     Snapshot(&'static str),
     /// Delete the snapshot and drop it at once.
     DeleteSnapshot(&'static str),
+    /// FITRIM of the whole device: its discards are writes a power cut may or may not
+    /// have let through.
+    Trim,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -121,7 +124,7 @@ impl Model {
                 .names
                 .get(p)
                 .is_some_and(|id| self.nodes[id].xattrs.contains_key(*n)),
-            Op::Sync => true,
+            Op::Sync | Op::Trim => true,
             Op::Snapshot(n) => !self.snaps.contains_key(n),
             Op::DeleteSnapshot(n) => self.snaps.contains_key(n),
         }
@@ -213,7 +216,7 @@ impl Model {
                     .remove(*n);
             }
             Op::Chmod(p, m) => self.nodes.get_mut(&self.names[p]).unwrap().mode = *m,
-            Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync => {}
+            Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync | Op::Trim => {}
             Op::Snapshot(n) => {
                 let frozen = Model {
                     snaps: BTreeMap::new(),
@@ -349,6 +352,9 @@ fn exec(fs: &Fs, op: &Op) {
         Op::Fsync(p) => fs.fsync(ino(p), false).unwrap(),
         Op::Fdatasync(p) => fs.fsync(ino(p), true).unwrap(),
         Op::Sync => fs.commit().unwrap(),
+        Op::Trim => {
+            fs.trim(0, u64::MAX, 0).unwrap();
+        }
         Op::Snapshot(n) => {
             fs.snapshot_create(n.as_bytes()).unwrap();
         }
@@ -803,6 +809,27 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
     use Op::*;
     vec![
         (
+            "trim between fsyncs, of space freed before and after the last commit",
+            vec![
+                Create(s("/a")),
+                Write(s("/a"), 0, 40000, 1),
+                Create(s("/b")),
+                Write(s("/b"), 0, 30000, 2),
+                Sync,
+                Unlink(s("/b")),
+                Write(s("/a"), 4096, 8192, 3),
+                Fsync(s("/a")),
+                Create(s("/c")),
+                Write(s("/c"), 0, 20000, 4),
+                Fsync(s("/c")),
+                Unlink(s("/a")),
+                Trim,
+                Write(s("/c"), 100, 5000, 5),
+                Fsync(s("/c")),
+                Fsync(s("/")),
+            ],
+        ),
+        (
             "fsync after rename",
             vec![
                 Create(s("/a")),
@@ -1105,7 +1132,7 @@ fn generated_sequences_survive_every_power_cut() {
             tries += 1;
             let f = s(files[rng.gen_range(0..files.len())]);
             let g = s(files[rng.gen_range(0..files.len())]);
-            let op = match rng.gen_range(0..13) {
+            let op = match rng.gen_range(0..14) {
                 0 => Op::Create(f),
                 1 => Op::Write(
                     f,
@@ -1134,6 +1161,7 @@ fn generated_sequences_survive_every_power_cut() {
                 9 => Op::Clone(f, g),
                 10 => Op::Snapshot(if rng.gen() { "s" } else { "t" }),
                 11 => Op::DeleteSnapshot(if rng.gen() { "s" } else { "t" }),
+                12 => Op::Trim,
                 _ => Op::Rmdir(s("/d")),
             };
             if m.valid(&op) {

@@ -3811,6 +3811,77 @@ fn birchfs_umount_leaves_a_mount_whose_image_it_cannot_open() {
     assert!(image_unlocked(m.image()));
 }
 
+/// FITRIM on the mount (what `fstrim` does), with `start`, `len` and `minlen`: the
+/// bytes trimmed, or the errno.
+fn fitrim(dir: &Path, start: u64, len: u64, min_len: u64) -> Result<u64, i32> {
+    const FITRIM: libc::c_ulong = 0xc018_5879;
+    let d = File::open(dir).unwrap();
+    let mut range = [start, len, min_len];
+    // SAFETY: FITRIM reads and writes a struct fstrim_range (three u64s).
+    let rc = unsafe { libc::ioctl(d.as_raw_fd(), FITRIM, range.as_mut_ptr()) };
+    if rc == 0 {
+        Ok(range[1])
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap())
+    }
+}
+
+/// `fstrim` gives a deleted file's space back to the host, on an image file (as
+/// holes) and on a loop device (as discards, which punch the holes in its backing
+/// file); what is stored stays. Only root or the user who mounted may trim.
+#[test]
+fn fstrim_gives_the_free_space_back_to_the_host() {
+    use std::os::unix::fs::MetadataExt;
+    for on_loop in [false, true] {
+        let mut m = if on_loop {
+            Mount::on_loop_device("512M")
+        } else {
+            Mount::with_size("512M")
+        };
+        let host = if on_loop {
+            m.host_dir().join("backing")
+        } else {
+            m.image().to_path_buf()
+        };
+        let mut rng = StdRng::seed_from_u64(11);
+        let big: Vec<u8> = (0..64 << 20).map(|_| rng.gen()).collect();
+        let keep: Vec<u8> = (0..1 << 20).map(|_| rng.gen()).collect();
+        for (name, data) in [("big", &big), ("keep", &keep)] {
+            let mut f = File::create(m.path(name)).unwrap();
+            f.write_all(data).unwrap();
+            f.sync_all().unwrap();
+        }
+        let used = |p: &Path| fs::metadata(p).unwrap().blocks() * 512;
+        let full = used(&host);
+        assert!(
+            full >= 65 << 20,
+            "{}: only {full} bytes stored",
+            host.display()
+        );
+        fs::remove_file(m.path("big")).unwrap();
+        let trimmed = fitrim(m.root(), 0, u64::MAX, 0).expect("FITRIM failed");
+        let after = used(&host);
+        assert!(
+            trimmed >= 64 << 20 && full - after >= 60 << 20,
+            "on_loop {on_loop}: {trimmed} bytes trimmed, host blocks {full} -> {after}"
+        );
+        assert_eq!(fitrim(m.root(), 0, u64::MAX, 1 << 40), Ok(0), "minlen");
+        let as_nobody = run_as(65534, 65534, || fitrim(m.root(), 0, u64::MAX, 0));
+        assert_eq!(
+            as_nobody,
+            Err(libc::EPERM),
+            "a user who did not mount trimmed"
+        );
+        assert!(fs::read(m.path("keep")).unwrap() == keep, "keep differs");
+        m.remount();
+        assert!(
+            fs::read(m.path("keep")).unwrap() == keep,
+            "keep differs after remount"
+        );
+        m.unmount();
+    }
+}
+
 /// `birchfs umount --timeout` stops waiting for a daemon that does not finish (here,
 /// stopped) with an error naming it; the mount is gone, and the daemon ends by itself
 /// once it runs again, with everything written.

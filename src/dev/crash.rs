@@ -181,6 +181,13 @@ impl BlockDev for CrashDev {
         g.covers.push(covers);
         Ok(())
     }
+    /// Recorded as a write of [`super::mem::DISCARDED`] bytes: a power cut may leave
+    /// the range as it was or discarded, like any write before the next flush.
+    fn discard(&self, off: u64, len: u64) -> io::Result<bool> {
+        let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        self.write_at(&vec![super::mem::DISCARDED; len], off)?;
+        Ok(true)
+    }
     fn size(&self) -> u64 {
         self.inner.lock().live.len() as u64
     }

@@ -55,7 +55,19 @@ impl BlockDev for MemDev {
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }
+    /// Fills the range with [`DISCARDED`], so that a test that reads a discarded block
+    /// back as if it still held something sees it fail its checksum.
+    fn discard(&self, off: u64, len: u64) -> io::Result<bool> {
+        let mut d = self.data.write();
+        let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let o = check_range(len, off, d.len())?;
+        d[o..o + len].fill(DISCARDED);
+        Ok(true)
+    }
     fn size(&self) -> u64 {
         self.data.read().len() as u64
     }
 }
+
+/// What the memory devices leave in a discarded range.
+pub const DISCARDED: u8 = 0xdb;

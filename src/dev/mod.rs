@@ -8,7 +8,7 @@ mod mem;
 pub use aligned::{AlignedBuf, BufPool};
 pub use crash::{CrashDev, CrashOp};
 pub use file::FileDev;
-pub use mem::MemDev;
+pub use mem::{MemDev, DISCARDED};
 
 use std::io;
 
@@ -56,6 +56,12 @@ pub trait BlockDev: Send + Sync {
     }
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
+    /// Tells the device that `len` bytes at `off` hold nothing (an image file gives
+    /// them back to the host as a hole); later reads there may return anything.
+    /// Returns false where the device cannot, which is no error.
+    fn discard(&self, _off: u64, _len: u64) -> io::Result<bool> {
+        Ok(false)
+    }
     /// Size in bytes.
     fn size(&self) -> u64;
 }

@@ -196,6 +196,11 @@ pub(crate) struct Inner {
 #[cfg(test)]
 pub(crate) type WriteHook = Box<dyn Fn(bool) + Send + Sync>;
 
+/// Most bytes [`Fs::trim`] discards under one hold of the fs lock.
+const TRIM_PIECE_BYTES: u64 = 1 << 30;
+/// Most extents [`Fs::trim`] discards under one hold of the fs lock.
+const TRIM_PIECE_EXTENTS: usize = 256;
+
 /// A mounted birchfs: the library's front door. All methods are thread-safe.
 pub struct Fs {
     /// Per-file locks, sharded by inode number (taken first).
@@ -900,6 +905,42 @@ impl Fs {
             ffree,
             namelen: crate::format::NAME_MAX as u32,
         }
+    }
+
+    /// Discards the free space within `[start, start+len)` in pieces of at least
+    /// `min_len` bytes (FITRIM): an image file gets it back as holes, a block device
+    /// as discards. Commits first, so that what was freed since the last commit is
+    /// free to discard. Returns the bytes discarded.
+    pub fn trim(&self, start: u64, len: u64, min_len: u64) -> Result<u64> {
+        if self.opts.readonly {
+            return Err(Error::ReadOnly);
+        }
+        self.commit_tree()?;
+        let end = start.saturating_add(len);
+        let (mut pos, mut trimmed) = (start, 0);
+        while pos < end {
+            // In pieces, each under the fs lock (which every allocation takes, so
+            // nothing is handed out of a range while it is discarded), for a while
+            // at a time.
+            let g = self.inner.lock();
+            let mut ranges = g
+                .store
+                .alloc
+                .free_within(pos, end, min_len, TRIM_PIECE_BYTES);
+            ranges.truncate(TRIM_PIECE_EXTENTS);
+            let Some(&(s, l)) = ranges.last() else {
+                break;
+            };
+            for &(s, l) in &ranges {
+                if !self.dev.discard(s, l)? {
+                    return Err(Error::NotSupported);
+                }
+                trimmed += l;
+            }
+            drop(g);
+            pos = s + l;
+        }
+        Ok(trimmed)
     }
 
     /// Sets an extended attribute; `create`/`replace` as XATTR_CREATE/XATTR_REPLACE.

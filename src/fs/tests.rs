@@ -1398,3 +1398,86 @@ fn cached_writes_keep_their_room_from_later_creates() {
     assert_eq!(read_all(&fs, f).len() as u64, off);
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
+
+/// FITRIM discards exactly the free space (what a deleted file held included, once
+/// committed) and nothing that is still held: not a live file, not an open unlinked
+/// one, not what an fsync logged. All of it reads back after a crash and a remount.
+#[test]
+fn trim_discards_the_free_space_and_nothing_else() {
+    let (dev, fs) = mk(64 * MB);
+    let keep = fs.mknod(ROOT_INO, b"keep", 0o644, 0, cr()).unwrap();
+    fs.write(keep.ino, 0, &pattern(3 * MB as usize, 1)).unwrap();
+    let gone = fs.mknod(ROOT_INO, b"gone", 0o644, 0, cr()).unwrap();
+    fs.write(gone.ino, 0, &pattern(4 * MB as usize, 2)).unwrap();
+    fs.commit().unwrap();
+    let orphan = fs.mknod(ROOT_INO, b"orphan", 0o644, 0, cr()).unwrap();
+    fs.open_ino(orphan.ino).unwrap();
+    fs.write(orphan.ino, 0, &pattern(2 * MB as usize, 3))
+        .unwrap();
+    fs.fsync(orphan.ino, false).unwrap();
+    fs.unlink(ROOT_INO, b"orphan").unwrap();
+    fs.unlink(ROOT_INO, b"gone").unwrap();
+    let late = fs.mknod(ROOT_INO, b"late", 0o644, 0, cr()).unwrap();
+    fs.write(late.ino, 0, &pattern(MB as usize, 4)).unwrap();
+    fs.fsync(late.ino, false).unwrap();
+
+    let free_before = fs.inner.lock().store.alloc.free_bytes();
+    let trimmed = fs.trim(0, u64::MAX, 0).unwrap();
+    let free = fs.inner.lock().store.alloc.free_bytes();
+    assert!(
+        trimmed >= free_before + 3 * MB,
+        "the deleted file's space was not trimmed: {trimmed} after {free_before} free"
+    );
+    assert_eq!(trimmed, free, "trimmed other than the free space");
+    assert!(trimmed > 40 * MB, "trimmed only {trimmed}");
+    let poisoned = dev
+        .image()
+        .chunks(4096)
+        .filter(|b| b.iter().all(|&x| x == crate::dev::DISCARDED))
+        .count() as u64;
+    assert_eq!(poisoned * 4096, trimmed, "discarded blocks on the device");
+    assert_eq!(fs.trim(0, u64::MAX, 1 << 40).unwrap(), 0, "min_len ignored");
+    assert_eq!(
+        fs.trim(1 << 40, 1 << 20, 0).unwrap(),
+        0,
+        "outside the device"
+    );
+    // Still readable now, and the space is used again.
+    assert_eq!(read_all(&fs, orphan.ino), pattern(2 * MB as usize, 3));
+    let new = fs.mknod(ROOT_INO, b"new", 0o644, 0, cr()).unwrap();
+    fs.write(new.ino, 0, &pattern(8 * MB as usize, 5)).unwrap();
+    fs.fsync(new.ino, false).unwrap();
+
+    // A crash now: the last commit plus the log.
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    let fs2 = Fs::open(crashed.clone(), Options::default()).unwrap();
+    for (name, len, seed) in [
+        (&b"keep"[..], 3 * MB, 1),
+        (b"late", MB, 4),
+        (b"new", 8 * MB, 5),
+    ] {
+        let a = fs2.lookup(ROOT_INO, name).unwrap();
+        assert_eq!(read_all(&fs2, a.ino), pattern(len as usize, seed));
+    }
+    assert!(fs2.lookup(ROOT_INO, b"gone").is_err());
+    assert_eq!(problems_after_unmount(&crashed, fs2), Vec::<String>::new());
+    // And after a clean unmount.
+    fs.release(orphan.ino).unwrap();
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}
+
+/// A read-only mount trims nothing.
+#[test]
+fn trim_is_refused_read_only() {
+    let (dev, fs) = mk(64 * MB);
+    fs.unmount().unwrap();
+    let ro = Fs::open(
+        dev.clone(),
+        Options {
+            readonly: true,
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    assert!(matches!(ro.trim(0, u64::MAX, 0), Err(Error::ReadOnly)));
+}

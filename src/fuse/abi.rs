@@ -124,6 +124,24 @@ impl<'a> Args<'a> {
     }
 }
 
+/// The FITRIM ioctl's number: _IOWR('X', 121, struct fstrim_range).
+pub(crate) const FITRIM: u32 = 0xc018_5879;
+
+/// Decodes a `struct fstrim_range`: start, len, minlen (None if short).
+pub(crate) fn fstrim_range(b: &[u8]) -> Option<(u64, u64, u64)> {
+    let a = Args::new(b.get(..24)?);
+    Some((a.u64(0), a.u64(8), a.u64(16)))
+}
+
+/// Encodes a `struct fstrim_range`.
+pub(crate) fn fstrim_range_bytes(start: u64, len: u64, min_len: u64) -> [u8; 24] {
+    let mut out = [0u8; 24];
+    for (i, v) in [start, len, min_len].into_iter().enumerate() {
+        out[i * 8..i * 8 + 8].copy_from_slice(&v.to_ne_bytes());
+    }
+    out
+}
+
 impl InHeader {
     /// Decodes a `fuse_in_header`.
     pub(crate) fn parse(b: &[u8]) -> InHeader {

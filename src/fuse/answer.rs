@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen,
-    ReplyStatfs, ReplyWrite, ReplyXattr,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLseek,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
 };
 
 /// Any answer: it can carry an error.
@@ -61,6 +61,12 @@ pub(crate) trait AnswerWrite: Answer {
 pub(crate) trait AnswerLseek: Answer {
     /// Answers with `offset`.
     fn offset(self, offset: u64);
+}
+
+/// An answer to an ioctl.
+pub(crate) trait AnswerIoctl: Answer {
+    /// Answers with the ioctl's return value and the bytes it gives back.
+    fn ioctl(self, result: i32, data: &[u8]);
 }
 
 /// An answer to a create: the new entry and its open file.
@@ -160,7 +166,8 @@ fuser_answer!(
     ReplyStatfs,
     ReplyXattr,
     ReplyDirectory,
-    ReplyDirectoryPlus
+    ReplyDirectoryPlus,
+    ReplyIoctl
 );
 
 impl AnswerEmpty for ReplyEmpty {
@@ -202,6 +209,12 @@ impl AnswerWrite for ReplyWrite {
 impl AnswerLseek for ReplyLseek {
     fn offset(self, offset: u64) {
         ReplyLseek::offset(self, offset as i64)
+    }
+}
+
+impl AnswerIoctl for ReplyIoctl {
+    fn ioctl(self, result: i32, data: &[u8]) {
+        ReplyIoctl::ioctl(self, result, data)
     }
 }
 

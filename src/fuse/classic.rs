@@ -429,22 +429,19 @@ impl Filesystem for FuseFs {
         FuseFs::fallocate(self, &caller(req), ino.0, offset, length, mode, reply)
     }
 
-    /// No ioctls of its own: ENOTTY, what a kernel filesystem answers for a command it
-    /// does not know (fuser's default answers ENOSYS and logs a warning per call, which
-    /// a tool that probes ioctls, like lsattr or fsstress, turns into a flood).
+    /// FITRIM; ENOTTY for the rest (see [`FuseFs::ioctl`]).
     fn ioctl(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         _flags: IoctlFlags,
         cmd: u32,
-        _in_data: &[u8],
-        _out_size: u32,
+        in_data: &[u8],
+        out_size: u32,
         reply: ReplyIoctl,
     ) {
-        tracing::debug!("ioctl {cmd:#x} on inode {}: not supported", ino.0);
-        reply.error(Errno::ENOTTY);
+        FuseFs::ioctl(self, &caller(req), ino.0, cmd, in_data, out_size, reply)
     }
 
     /// No poll of its own: ENOSYS, after which the kernel stops asking and treats

@@ -19,9 +19,10 @@ use fuser::{
     Errno, FileAttr, FileHandle, FileType, FopenFlags, Generation, INodeNo, TimeOrNow, WriteFlags,
 };
 
+use super::abi;
 use super::answer::{
     done, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty, AnswerEntry,
-    AnswerLseek, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
+    AnswerIoctl, AnswerLseek, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr, Done,
 };
 use super::direct::{opens_to_write, DirectReads, DIRECT_FH};
 use super::group::{FsyncQueue, PendingFsync, Preparing};
@@ -918,6 +919,40 @@ impl FuseFs {
         }
     }
 
+    /// FITRIM (`fstrim`), for root or the user who mounted: discards the free space
+    /// in the range asked for and answers how much. Every other ioctl gets ENOTTY,
+    /// what a kernel filesystem answers for a command it does not know (FICLONE and
+    /// the like never reach a FUSE server).
+    pub(crate) fn ioctl(
+        &self,
+        c: &Caller,
+        nodeid: u64,
+        cmd: u32,
+        in_data: &[u8],
+        out_size: u32,
+        reply: impl AnswerIoctl,
+    ) {
+        if cmd != abi::FITRIM {
+            tracing::debug!("ioctl {cmd:#x} on inode {}: not supported", to_ino(nodeid));
+            return reply.error(err(libc::ENOTTY));
+        }
+        // SAFETY: geteuid has no preconditions.
+        if c.uid != 0 && c.uid != unsafe { libc::geteuid() } {
+            return reply.error(err(libc::EPERM));
+        }
+        let Some((start, len, min_len)) = abi::fstrim_range(in_data).filter(|_| out_size >= 24)
+        else {
+            return reply.error(err(libc::EINVAL));
+        };
+        match self.fs.trim(start, len, min_len) {
+            Ok(trimmed) => {
+                tracing::info!("FITRIM: {trimmed} bytes of free space discarded");
+                reply.ioctl(0, &abi::fstrim_range_bytes(start, trimmed, min_len))
+            }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
     /// Closes handle `fh`, opened with `flags` (the kernel's own, as at open).
     pub(crate) fn release(&self, nodeid: u64, fh: u64, flags: i32, reply: impl AnswerEmpty) {
         self.writers.released(to_ino(nodeid), flags);
@@ -1240,6 +1275,7 @@ mod tests {
         Offset(u64),
         Handle(u64),
         Ok,
+        Ioctl(i32, Vec<u8>),
     }
 
     /// An answer that reports what it was given.
@@ -1253,6 +1289,11 @@ mod tests {
     impl AnswerLseek for Reply {
         fn offset(self, offset: u64) {
             let _ = self.0.send(Got::Offset(offset));
+        }
+    }
+    impl AnswerIoctl for Reply {
+        fn ioctl(self, result: i32, data: &[u8]) {
+            let _ = self.0.send(Got::Ioctl(result, data.to_vec()));
         }
     }
     impl AnswerOpen for Reply {
@@ -1380,6 +1421,48 @@ mod tests {
             fh,
             ino,
         }
+    }
+
+    /// FITRIM answers the bytes trimmed in the range it was given, to root and to the
+    /// user who mounted only; a short argument is EINVAL and any other ioctl ENOTTY.
+    #[test]
+    fn fitrim_answers_what_it_trimmed_and_only_to_who_may() {
+        let Created {
+            fs, ffs, tx, rx, ..
+        } = created(64 << 20);
+        let r = || Reply(tx.clone());
+        let root = Caller {
+            uid: 0,
+            gid: 0,
+            pid: 1,
+        };
+        let arg = abi::fstrim_range_bytes(0, u64::MAX, 0);
+        ffs.ioctl(&root, ROOT_INO, abi::FITRIM, &arg, 24, r());
+        let Got::Ioctl(0, out) = rx.recv().unwrap() else {
+            panic!("FITRIM failed")
+        };
+        let (start, trimmed, min_len) = abi::fstrim_range(&out).unwrap();
+        assert_eq!((start, min_len), (0, 0));
+        let free = fs.statfs().bfree * 4096;
+        assert_eq!(trimmed, free, "answered other than the free space");
+        assert!(trimmed > 32 << 20, "trimmed {trimmed}");
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let other = Caller {
+            uid: if me == 65534 { 65533 } else { 65534 },
+            gid: 65534,
+            pid: 1,
+        };
+        ffs.ioctl(&other, ROOT_INO, abi::FITRIM, &arg, 24, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EPERM));
+        ffs.ioctl(&root, ROOT_INO, abi::FITRIM, &arg[..16], 24, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EINVAL));
+        ffs.ioctl(&root, ROOT_INO, 0x8008_6601, &[], 8, r());
+        assert_eq!(
+            rx.recv().unwrap(),
+            Got::Err(libc::ENOTTY),
+            "FS_IOC_GETFLAGS"
+        );
     }
 
     /// SEEK_DATA answers from birchfs's extents only while no handle of the file is

@@ -35,7 +35,7 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use super::abi::{self, Args, Body, InHeader};
 use super::answer::{
     Answer, AnswerAttr, AnswerCreate, AnswerData, AnswerDir, AnswerDirPlus, AnswerEmpty,
-    AnswerEntry, AnswerLseek, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr,
+    AnswerEntry, AnswerIoctl, AnswerLseek, AnswerOpen, AnswerStatfs, AnswerWrite, AnswerXattr,
 };
 use super::ops::{err, Caller, FuseFs, SetAttrIn};
 
@@ -741,9 +741,12 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
             let (off_in, out, off_out) = (op.u64(8), op.u64(16), op.u64(32));
             fs.copy_file_range(c, n, off_in, out, off_out, op.u64(40), op.u64(48), r)
         }
-        // No ioctls of its own (FICLONE and friends never reach a FUSE server):
-        // ENOTTY, what a kernel filesystem answers for a command it does not know.
-        abi::IOCTL => r.error(err(libc::ENOTTY)),
+        // fuse_ioctl_in: fh, flags, cmd at 12, arg, in_size at 24, out_size at 28;
+        // the argument's bytes come as the payload.
+        abi::IOCTL => {
+            let data = &payload[..(op.u32(24) as usize).min(payload.len())];
+            fs.ioctl(c, n, op.u32(12), data, op.u32(28), r)
+        }
         abi::FORGET | abi::BATCH_FORGET => {
             // The kernel sends these through /dev/fuse; a forget has no answer.
             tracing::warn!("FUSE io_uring: unexpected forget request");
@@ -882,6 +885,19 @@ impl AnswerWrite for RingReply {
 impl AnswerLseek for RingReply {
     fn offset(self, offset: u64) {
         self.send(|b| b.u64(offset))
+    }
+}
+
+impl AnswerIoctl for RingReply {
+    fn ioctl(self, result: i32, data: &[u8]) {
+        // fuse_ioctl_out: result, flags, in_iovs, out_iovs; then the data.
+        self.send(|b| {
+            b.u32(result as u32)?;
+            b.u32(0)?;
+            b.u32(0)?;
+            b.u32(0)?;
+            b.bytes(data)
+        })
     }
 }
 
