@@ -101,6 +101,12 @@ enum Cmd {
         #[command(subcommand)]
         action: SnapshotCmd,
     },
+    /// Give the free space back to the host (holes in an image file, discards on a
+    /// block device), of a mount (as fstrim does) or of an unmounted image
+    Trim {
+        /// A birchfs mountpoint, or an unmounted image
+        target: PathBuf,
+    },
     /// Print the trees of IMAGE and the log a mount would replay
     Dump {
         /// Only this tree: root, extent, fs, csum; or log (the fsynced changes a mount would replay)
@@ -167,6 +173,48 @@ fn utc(sec: i64) -> String {
         rem / 60 % 60,
         rem % 60
     )
+}
+
+/// `birchfs trim`: FITRIM on a mount, [`Fs::trim`] on an unmounted image; the bytes
+/// discarded.
+fn trim_cmd(target: &Path) -> Result<u64> {
+    if target.is_dir() {
+        const FITRIM: libc::c_ulong = 0xc018_5879;
+        let d = std::fs::File::open(target)
+            .with_context(|| format!("cannot open {}", target.display()))?;
+        let mut range = [0, u64::MAX, 0];
+        // SAFETY: FITRIM reads and writes a struct fstrim_range (three u64s).
+        let rc = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(&d),
+                FITRIM,
+                range.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            bail!(
+                "cannot trim {} (is it a birchfs mountpoint?): {e}",
+                target.display()
+            );
+        }
+        return Ok(range[1]);
+    }
+    let dev = open_when_free(target, true)
+        .with_context(|| format!("cannot open {}", target.display()))?;
+    let fs = Fs::open(
+        Arc::new(dev),
+        Options {
+            commit_interval: Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("cannot open {}", target.display()))?;
+    let n = fs
+        .trim(0, u64::MAX, 0)
+        .with_context(|| format!("cannot trim {}", target.display()))?;
+    fs.unmount()?;
+    Ok(n)
 }
 
 fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
@@ -666,6 +714,15 @@ fn run() -> Result<ExitCode> {
         Cmd::Snapshot { action } => {
             init_logging(None)?;
             snapshot_cmd(action)?;
+        }
+        Cmd::Trim { target } => {
+            init_logging(None)?;
+            let n = trim_cmd(&target)?;
+            println!(
+                "{}: {n} bytes ({:.1} MiB) trimmed",
+                target.display(),
+                n as f64 / (1 << 20) as f64
+            );
         }
         Cmd::Dump { tree, image } => {
             init_logging(None)?;

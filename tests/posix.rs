@@ -3882,6 +3882,45 @@ fn fstrim_gives_the_free_space_back_to_the_host() {
     }
 }
 
+/// `birchfs trim` does the same for an unmounted image, and through FITRIM for a
+/// mount; the image stays clean and its files whole.
+#[test]
+fn birchfs_trim_takes_an_image_or_a_mount() {
+    use std::os::unix::fs::MetadataExt;
+    let mut m = Mount::with_size("512M");
+    let mut rng = StdRng::seed_from_u64(12);
+    let big: Vec<u8> = (0..64 << 20).map(|_| rng.gen()).collect();
+    fs::write(m.path("big"), &big).unwrap();
+    fs::write(m.path("keep"), &big[..1 << 20]).unwrap();
+    m.unmount();
+    let used = |m: &Mount| fs::metadata(m.image()).unwrap().blocks() * 512;
+    let full = used(&m);
+    m.mount();
+    fs::remove_file(m.path("big")).unwrap();
+    m.unmount();
+    let out = birchfs(["trim".as_ref(), m.image().as_os_str()]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("trimmed"),
+        "{}",
+        describe(&out)
+    );
+    let after = used(&m);
+    assert!(full - after >= 60 << 20, "image blocks {full} -> {after}");
+    let c = m.check();
+    assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
+    m.mount();
+    assert!(
+        fs::read(m.path("keep")).unwrap() == big[..1 << 20],
+        "keep differs"
+    );
+    let out = birchfs(["trim".as_ref(), m.root().as_os_str()]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let out = birchfs(["trim".as_ref(), std::ffi::OsStr::new("/proc")]);
+    assert!(!out.status.success(), "trimmed /proc:\n{}", describe(&out));
+    m.unmount();
+}
+
 /// `birchfs umount --timeout` stops waiting for a daemon that does not finish (here,
 /// stopped) with an error naming it; the mount is gone, and the daemon ends by itself
 /// once it runs again, with everything written.
