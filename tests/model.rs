@@ -40,6 +40,8 @@ enum Op {
     Snapshot(usize),
     /// Delete snapshot `s{n}` (a sync point); with `true`, also drop it at once.
     DeleteSnapshot(usize, bool),
+    /// FITRIM of the whole device (a sync point: it commits first).
+    Trim,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -67,6 +69,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Crash),
         1 => (0..3usize).prop_map(Op::Snapshot),
         1 => (0..3usize, any::<bool>()).prop_map(|(n, d)| Op::DeleteSnapshot(n, d)),
+        1 => Just(Op::Trim),
     ]
 }
 
@@ -335,6 +338,10 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
             w.fs().commit().unwrap();
             *durable = m.clone();
         }
+        Op::Trim => {
+            w.fs().trim(0, u64::MAX, 0).unwrap();
+            *durable = m.clone();
+        }
         Op::Remount => {
             w.fs.take().unwrap().unmount().unwrap();
             let img = w.dev.live_image();
@@ -482,7 +489,7 @@ fn run_with(ops: &[Op], opts: Options) {
     let mut durable = Model::new();
     for op in ops {
         apply(&mut w, &mut m, &mut durable, op);
-        if matches!(op, Op::Crash | Op::Remount | Op::Fsync) {
+        if matches!(op, Op::Crash | Op::Remount | Op::Fsync | Op::Trim) {
             compare(&w, &m);
         }
     }

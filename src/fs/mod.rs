@@ -909,13 +909,13 @@ impl Fs {
 
     /// Discards the free space within `[start, start+len)` in pieces of at least
     /// `min_len` bytes (FITRIM): an image file gets it back as holes, a block device
-    /// as discards. Commits first, so that what was freed since the last commit is
-    /// free to discard. Returns the bytes discarded.
+    /// as discards. Commits first, cached data and all (as `sync` would), so that what
+    /// was freed since the last commit is free to discard. Returns the bytes discarded.
     pub fn trim(&self, start: u64, len: u64, min_len: u64) -> Result<u64> {
         if self.opts.readonly {
             return Err(Error::ReadOnly);
         }
-        self.commit_tree()?;
+        self.commit()?;
         let end = start.saturating_add(len);
         let (mut pos, mut trimmed) = (start, 0);
         while pos < end {
