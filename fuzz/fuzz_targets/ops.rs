@@ -66,6 +66,10 @@ fuzz_target!(|data: &[u8]| {
             }
             (5, Some(i)) => fs.fsync(i, false).unwrap(),
             (6, _) => {
+                // Now and then a trim first: the remount reads back from the device.
+                if op[2] & 1 == 1 {
+                    fs.trim(0, u64::MAX, 0).unwrap();
+                }
                 fs.unmount().unwrap();
                 fs = Fs::open(dev.clone(), Options::default()).unwrap();
             }
