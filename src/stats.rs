@@ -46,8 +46,12 @@ pub struct Stats {
     pub log_commits: AtomicU64,
     /// Group commits that began while another was still at work (FUSE over
     /// io_uring lets several run at once); one whose records another's batch already
-    /// wrote only flushes, so this can exceed `log_commits`, which counts batches.
+    /// wrote only flushes (or shares that batch's flush), so this can exceed
+    /// `log_commits`, which counts batches.
     pub log_commits_overlapped: AtomicU64,
+    /// Group commits that waited for a log flush already under way, which covered
+    /// their records, instead of flushing again (several at once, over io_uring).
+    pub log_flushes_shared: AtomicU64,
     /// fsyncs the log could not serve, done as full commits.
     pub fallbacks: AtomicU64,
     /// Times memory pressure lowered the size the page cache keeps to.
@@ -108,6 +112,7 @@ impl Stats {
             flushes: g(&self.flushes),
             log_commits: g(&self.log_commits),
             log_commits_overlapped: g(&self.log_commits_overlapped),
+            log_flushes_shared: g(&self.log_flushes_shared),
             fallbacks: g(&self.fallbacks),
             memory_squeezes: g(&self.memory_squeezes),
             shared_cows: g(&self.shared_cows),
@@ -176,6 +181,8 @@ pub struct StatsSnapshot {
     pub log_commits: u64,
     /// See [`Stats::log_commits_overlapped`].
     pub log_commits_overlapped: u64,
+    /// See [`Stats::log_flushes_shared`].
+    pub log_flushes_shared: u64,
     /// See [`Stats::fallbacks`].
     pub fallbacks: u64,
     /// See [`Stats::memory_squeezes`].
@@ -306,7 +313,7 @@ impl StatsSnapshot {
     pub fn to_json(&self) -> String {
         format!(
             concat!(
-                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"full_commits\":{},",
+                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"log_flushes_shared\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
@@ -318,6 +325,7 @@ impl StatsSnapshot {
             self.fsyncs_relogged,
             self.log_commits,
             self.log_commits_overlapped,
+            self.log_flushes_shared,
             self.commits,
             self.fallbacks,
             self.shared_cows,
@@ -368,6 +376,11 @@ impl StatsSnapshot {
             &mut s,
             "overlapped commits",
             self.log_commits_overlapped.to_string(),
+        );
+        row(
+            &mut s,
+            "  sharing a flush",
+            self.log_flushes_shared.to_string(),
         );
         row(&mut s, "full commits", self.commits.to_string());
         row(&mut s, "log fallbacks", self.fallbacks.to_string());

@@ -216,6 +216,8 @@ pub struct Fs {
     commit_lock: Mutex<()>,
     /// Log batches are taken and written in order under it (flushes go without it).
     log_lock: Mutex<()>,
+    /// Notified (with `inner`) when a log flush ends, for fsyncs that share it.
+    log_flushed: parking_lot::Condvar,
     dev: Arc<dyn BlockDev>,
     stats: Arc<Stats>,
     opts: Options,
@@ -302,6 +304,7 @@ impl Fs {
             inner: Mutex::new(inner),
             commit_lock: Mutex::new(()),
             log_lock: Mutex::new(()),
+            log_flushed: parking_lot::Condvar::new(),
             dev,
             stats,
             opts,
@@ -629,17 +632,47 @@ impl Fs {
             }
             self.inner.lock().store.log.written_lsn
         };
+        {
+            // With several group commits at once (FUSE over io_uring), a flush that
+            // began after another's batch wrote these records makes them durable
+            // too: wait for it rather than flush again (unless it fails).
+            let mut g = self.inner.lock();
+            let failures = g.store.log.flush_failures;
+            while g.store.log.flush_started >= target
+                && g.store.log.durable_lsn < target
+                && g.store.log.flush_failures == failures
+            {
+                self.log_flushed.wait(&mut g);
+            }
+            if g.store.log.durable_lsn >= target {
+                Stats::add(&self.stats.log_flushes_shared, 1);
+                return Ok(());
+            }
+            g.store.log.flush_started = g.store.log.flush_started.max(written);
+        }
         let t0 = std::time::Instant::now();
         let flushed = self.dev.flush();
         self.stats.log_flush_latency.record(t0.elapsed());
-        if let Err(e) = flushed {
-            tracing::error!("log flush failed: {e}");
-            self.inner.lock().store.log.overflow = true;
-            return Err(e.into());
-        }
-        Stats::add(&self.stats.flushes, 1);
-        self.inner.lock().store.log.batch_done(written);
-        Ok(())
+        let r = {
+            let mut g = self.inner.lock();
+            match flushed {
+                Err(e) => {
+                    tracing::error!("log flush failed: {e}");
+                    g.store.log.overflow = true;
+                    g.store.log.flush_failures += 1;
+                    // What it would have covered is not durable: the next fsync flushes.
+                    g.store.log.flush_started = g.store.log.durable_lsn;
+                    Err(e.into())
+                }
+                Ok(()) => {
+                    Stats::add(&self.stats.flushes, 1);
+                    g.store.log.batch_done(written);
+                    Ok(())
+                }
+            }
+        };
+        self.log_flushed.notify_all();
+        r
     }
 
     /// Writes a log batch (no flush) and notes it written; the caller holds `log_lock`.

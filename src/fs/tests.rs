@@ -1481,3 +1481,62 @@ fn trim_is_refused_read_only() {
     .unwrap();
     assert!(matches!(ro.trim(0, u64::MAX, 0), Err(Error::ReadOnly)));
 }
+
+/// A file system on a crash-recording device whose flushes take `delay`, with two
+/// files whose fsyncs are logged (not yet written): their targets.
+fn two_logged_fsyncs(delay: std::time::Duration) -> (Arc<crate::dev::CrashDev>, Arc<Fs>, u64, u64) {
+    let (mem, fs) = mk(64 * MB);
+    fs.unmount().unwrap();
+    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
+    let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
+    let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap();
+    let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap();
+    fs.write(a.ino, 0, &pattern(5000, 1)).unwrap();
+    fs.write(b.ino, 0, &pattern(5000, 2)).unwrap();
+    let ta = fs.fsync_target(a.ino, false).unwrap().unwrap();
+    let tb = fs.fsync_target(b.ino, false).unwrap().unwrap();
+    dev.set_flush_delay(delay);
+    (dev, fs, ta, tb)
+}
+
+/// With two group commits at once (as over io_uring), the one whose records the
+/// other's batch already wrote waits for the other's flush, under way, instead of
+/// flushing again, and returns only once that flush has returned.
+#[test]
+fn an_fsync_shares_a_flush_under_way_that_covers_it() {
+    let (dev, fs, ta, tb) = two_logged_fsyncs(std::time::Duration::from_millis(200));
+    let (flushes, shared) = (fs.stats().flushes, fs.stats().log_flushes_shared);
+    let recorded = dev.flush_covers().len();
+    let t = {
+        let fs = fs.clone();
+        std::thread::spawn(move || fs.sync_to(tb))
+    };
+    // Whichever comes first writes both records and flushes; the other waits for it.
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    fs.sync_to(ta).unwrap();
+    assert!(
+        dev.flush_covers().len() > recorded,
+        "answered before the flush returned"
+    );
+    t.join().unwrap().unwrap();
+    assert_eq!(fs.stats().flushes - flushes, 1, "flushed twice");
+    assert_eq!(fs.stats().log_flushes_shared - shared, 1);
+    assert_eq!(dev.flush_covers().len(), recorded + 1);
+}
+
+/// When the flush it waits for fails, an fsync does not wait forever: it flushes
+/// itself, and fails too on a dead disk.
+#[test]
+fn an_fsync_waiting_on_a_failed_flush_flushes_itself() {
+    let (dev, fs, ta, tb) = two_logged_fsyncs(std::time::Duration::from_millis(200));
+    let t = {
+        let fs = fs.clone();
+        std::thread::spawn(move || fs.sync_to(tb))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    // The flush under way fails when it returns, and so does every later one.
+    dev.fail_after(0);
+    assert!(fs.sync_to(ta).is_err(), "durable on a dead disk");
+    assert!(t.join().unwrap().is_err());
+    assert_eq!(fs.stats().log_flushes_shared, 0);
+}

@@ -240,8 +240,10 @@ fn power_cuts_under_group_commit(committers: usize) {
         assert_eq!(overlapped, 0, "a second group commit ran beside the first");
     }
     eprintln!(
-        "{answered} fsyncs answered with {} flushes ({overlapped} group commits beside another)",
-        flushes.len() - 1
+        "{answered} fsyncs answered with {} flushes ({overlapped} group commits beside another, \
+         {} sharing another's flush)",
+        flushes.len() - 1,
+        fs_stats.log_flushes_shared
     );
     // What the flushes ended so far made durable: a flush covers what was written
     // before it began, and one that ends later may have begun earlier.
