@@ -179,6 +179,14 @@ fn utc(sec: i64) -> String {
 /// discarded.
 fn trim_cmd(target: &Path) -> Result<u64> {
     if target.is_dir() {
+        // Only a birchfs mount: FITRIM on any other directory would trim whatever
+        // filesystem holds it.
+        let info = std::fs::read_to_string("/proc/self/mountinfo")
+            .context("cannot read /proc/self/mountinfo")?;
+        let abs = std::fs::canonicalize(target)?;
+        if cli::umount::mounted_image(&info, &abs).is_none() {
+            bail!("{} is not a birchfs mountpoint", target.display());
+        }
         const FITRIM: libc::c_ulong = 0xc018_5879;
         let d = std::fs::File::open(target)
             .with_context(|| format!("cannot open {}", target.display()))?;
