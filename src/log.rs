@@ -188,10 +188,9 @@ pub(crate) struct LogBuffer {
     /// LSN that the commit in progress makes durable when it completes.
     committing_lsn: u64,
     /// The most a log flush that began (and has not failed) makes durable: an fsync
-    /// whose records lie below it waits for that flush instead of flushing again.
+    /// whose records lie below it waits for that flush instead of flushing again. A
+    /// failed flush sets it back to `durable_lsn`.
     pub(crate) flush_started: u64,
-    /// Log flushes that failed, so that who waits on one knows it will not come.
-    pub(crate) flush_failures: u64,
     /// Inode -> LSN just past its last record.
     last: HashMap<u64, u64>,
     /// Inode -> LSN just past the last change a read of its data depends on (creation,

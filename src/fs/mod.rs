@@ -635,13 +635,9 @@ impl Fs {
         {
             // With several group commits at once (FUSE over io_uring), a flush that
             // began after another's batch wrote these records makes them durable
-            // too: wait for it rather than flush again (unless it fails).
+            // too: wait for it rather than flush again (a failure ends the wait).
             let mut g = self.inner.lock();
-            let failures = g.store.log.flush_failures;
-            while g.store.log.flush_started >= target
-                && g.store.log.durable_lsn < target
-                && g.store.log.flush_failures == failures
-            {
+            while g.store.log.flush_started >= target && g.store.log.durable_lsn < target {
                 self.log_flushed.wait(&mut g);
             }
             if g.store.log.durable_lsn >= target {
@@ -659,8 +655,8 @@ impl Fs {
                 Err(e) => {
                     tracing::error!("log flush failed: {e}");
                     g.store.log.overflow = true;
-                    g.store.log.flush_failures += 1;
-                    // What it would have covered is not durable: the next fsync flushes.
+                    // What it would have covered is not durable: who waits for it and
+                    // the next fsync flush for themselves.
                     g.store.log.flush_started = g.store.log.durable_lsn;
                     Err(e.into())
                 }
