@@ -175,19 +175,28 @@ fn utc(sec: i64) -> String {
     )
 }
 
+/// An unmounted image, opened for a command that changes it and unmounts it itself
+/// (no periodic commits).
+fn open_unmounted(target: &Path) -> Result<Fs> {
+    let dev = open_when_free(target, true)
+        .with_context(|| format!("cannot open {}", target.display()))?;
+    Fs::open(
+        Arc::new(dev),
+        Options {
+            commit_interval: Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("cannot open {}", target.display()))
+}
+
 /// `birchfs trim`: FITRIM on a mount, [`Fs::trim`] on an unmounted image; the bytes
 /// discarded.
 fn trim_cmd(target: &Path) -> Result<u64> {
     if target.is_dir() {
         // Only a birchfs mount: FITRIM on any other directory would trim whatever
         // filesystem holds it.
-        let info = std::fs::read_to_string("/proc/self/mountinfo")
-            .context("cannot read /proc/self/mountinfo")?;
-        let abs = std::fs::canonicalize(target)?;
-        if cli::umount::mounted_image(&info, &abs).is_none() {
-            bail!("{} is not a birchfs mountpoint", target.display());
-        }
-        const FITRIM: libc::c_ulong = 0xc018_5879;
+        cli::umount::image_mounted_at(target)?;
         let d = std::fs::File::open(target)
             .with_context(|| format!("cannot open {}", target.display()))?;
         let mut range = [0, u64::MAX, 0];
@@ -195,7 +204,7 @@ fn trim_cmd(target: &Path) -> Result<u64> {
         let rc = unsafe {
             libc::ioctl(
                 std::os::fd::AsRawFd::as_raw_fd(&d),
-                FITRIM,
+                birchfs::fuse::FITRIM as libc::c_ulong,
                 range.as_mut_ptr(),
             )
         };
@@ -208,16 +217,7 @@ fn trim_cmd(target: &Path) -> Result<u64> {
         }
         return Ok(range[1]);
     }
-    let dev = open_when_free(target, true)
-        .with_context(|| format!("cannot open {}", target.display()))?;
-    let fs = Fs::open(
-        Arc::new(dev),
-        Options {
-            commit_interval: Duration::ZERO,
-            ..Default::default()
-        },
-    )
-    .with_context(|| format!("cannot open {}", target.display()))?;
+    let fs = open_unmounted(target)?;
     let n = fs
         .trim(0, u64::MAX, 0)
         .with_context(|| format!("cannot trim {}", target.display()))?;
@@ -262,16 +262,7 @@ fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
             }
         }
     } else {
-        let dev = open_when_free(&target, true)
-            .with_context(|| format!("cannot open {}", target.display()))?;
-        let fs = Fs::open(
-            Arc::new(dev),
-            Options {
-                commit_interval: Duration::ZERO,
-                ..Default::default()
-            },
-        )
-        .with_context(|| format!("cannot open {}", target.display()))?;
+        let fs = open_unmounted(&target)?;
         let json = match action {
             SnapshotCmd::Create { name, .. } => {
                 fs.snapshot_create(name.as_bytes())?;

@@ -49,6 +49,17 @@ pub(crate) fn mounted_image(mountinfo: &str, mountpoint: &Path) -> Option<PathBu
     is_fuse.then(|| PathBuf::from(image))
 }
 
+/// The image of the birchfs mounted at `mountpoint` (as given, or with its links
+/// resolved); an error when no birchfs is mounted there.
+pub(crate) fn image_mounted_at(mountpoint: &Path) -> Result<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo")
+        .context("cannot read /proc/self/mountinfo")?;
+    let abs = std::path::absolute(mountpoint)?;
+    mounted_image(&info, &abs)
+        .or_else(|| mounted_image(&info, &std::fs::canonicalize(&abs).ok()?))
+        .ok_or_else(|| anyhow!("{} is not a birchfs mountpoint", mountpoint.display()))
+}
+
 /// The pid holding an exclusive flock on the file with device `major:minor` and inode
 /// `ino`, from the text of /proc/locks.
 pub(crate) fn flock_holder(locks: &str, major: u32, minor: u32, ino: u64) -> Option<u32> {
@@ -117,12 +128,8 @@ impl Daemon {
 /// error (the daemon goes on).
 pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
-    let info = std::fs::read_to_string("/proc/self/mountinfo")
-        .context("cannot read /proc/self/mountinfo")?;
     let abs = std::path::absolute(mountpoint)?;
-    let image = mounted_image(&info, &abs)
-        .or_else(|| mounted_image(&info, &std::fs::canonicalize(&abs).ok()?))
-        .ok_or_else(|| anyhow!("{} is not a birchfs mountpoint", mountpoint.display()))?;
+    let image = image_mounted_at(mountpoint)?;
     // Opened before the unmount: the daemon holds the image's lock until it is done.
     // Without it there is nothing to wait on, so nothing is unmounted either.
     if !image.is_absolute() {

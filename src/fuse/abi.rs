@@ -125,7 +125,7 @@ impl<'a> Args<'a> {
 }
 
 /// The FITRIM ioctl's number: _IOWR('X', 121, struct fstrim_range).
-pub(crate) const FITRIM: u32 = 0xc018_5879;
+pub const FITRIM: u32 = 0xc018_5879;
 
 /// Decodes a `struct fstrim_range`: start, len, minlen (None if short).
 pub(crate) fn fstrim_range(b: &[u8]) -> Option<(u64, u64, u64)> {
