@@ -85,6 +85,12 @@ enum Cmd {
         /// The mountpoint
         mountpoint: PathBuf,
     },
+    /// Commit everything a mount holds now, as sync does on a kernel filesystem (which
+    /// sync(1) cannot ask of a FUSE daemon); exit 1 if that did not reach the disk
+    Sync {
+        /// The mountpoint
+        mountpoint: PathBuf,
+    },
     /// Print the statistics of a mounted birchfs
     Stats {
         /// Print JSON instead of a table
@@ -188,6 +194,46 @@ fn open_unmounted(target: &Path) -> Result<Fs> {
         },
     )
     .with_context(|| format!("cannot open {}", target.display()))
+}
+
+/// `birchfs sync`: the kernel's cached writes go to the daemon (syncfs), then the
+/// daemon commits ([`birchfs::fuse::BIRCHFS_IOC_SYNC`]).
+fn sync_cmd(mountpoint: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    // Only a birchfs mount: the ioctl's number means nothing to other filesystems.
+    cli::umount::image_mounted_at(mountpoint)?;
+    let d = std::fs::File::open(mountpoint)
+        .with_context(|| format!("cannot open {}", mountpoint.display()))?;
+    // SAFETY: syncfs on a valid fd owned by `d`.
+    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+        let e = std::io::Error::last_os_error();
+        bail!(
+            "cannot sync {}: the kernel's cached writes did not all reach birchfs: {e}",
+            mountpoint.display()
+        );
+    }
+    // SAFETY: BIRCHFS_IOC_SYNC takes no argument.
+    let rc = unsafe {
+        libc::ioctl(
+            d.as_raw_fd(),
+            birchfs::fuse::BIRCHFS_IOC_SYNC as libc::c_ulong,
+        )
+    };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENOTTY) {
+            bail!(
+                "{} is served by an older birchfs daemon, which cannot commit on request",
+                mountpoint.display()
+            );
+        }
+        bail!(
+            "the commit of {} failed: {e}; what changed since its last commit is not on \
+             disk (the daemon's log says why)",
+            mountpoint.display()
+        );
+    }
+    Ok(())
 }
 
 /// `birchfs trim`: FITRIM on a mount, [`Fs::trim`] on an unmounted image; the bytes
@@ -693,6 +739,10 @@ fn run() -> Result<ExitCode> {
             timeout,
             mountpoint,
         } => cli::umount::umount(&mountpoint, timeout.map(Duration::from_secs))?,
+        Cmd::Sync { mountpoint } => {
+            init_logging(None)?;
+            sync_cmd(&mountpoint)?;
+        }
         Cmd::Stats {
             json,
             space,

@@ -127,6 +127,10 @@ impl<'a> Args<'a> {
 /// The FITRIM ioctl's number: _IOWR('X', 121, struct fstrim_range).
 pub const FITRIM: u32 = 0xc018_5879;
 
+/// birchfs's own ioctl, on any file or directory of a mount: commit everything the
+/// daemon holds now, as `sync` does on a kernel filesystem; _IO(0xbf, 1), no argument.
+pub const BIRCHFS_IOC_SYNC: u32 = 0xbf01;
+
 /// Decodes a `struct fstrim_range`: start, len, minlen (None if short).
 pub(crate) fn fstrim_range(b: &[u8]) -> Option<(u64, u64, u64)> {
     let a = Args::new(b.get(..24)?);

@@ -11,5 +11,5 @@ mod group;
 mod ops;
 pub mod uring;
 
-pub use abi::FITRIM;
+pub use abi::{BIRCHFS_IOC_SYNC, FITRIM};
 pub use ops::{FuseFs, SNAPSHOT_XATTR, SPACE_XATTR, STATS_XATTR};

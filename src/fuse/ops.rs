@@ -920,7 +920,9 @@ impl FuseFs {
     }
 
     /// FITRIM (`fstrim`), for root or the user who mounted: discards the free space
-    /// in the range asked for and answers how much. Every other ioctl gets ENOTTY,
+    /// in the range asked for and answers how much. [`abi::BIRCHFS_IOC_SYNC`], for
+    /// anyone (as sync(2) is): commits what birchfs holds and answers whether it
+    /// reached the disk. Every other ioctl gets ENOTTY,
     /// what a kernel filesystem answers for a command it does not know (FICLONE and
     /// the like never reach a FUSE server).
     pub(crate) fn ioctl(
@@ -932,6 +934,18 @@ impl FuseFs {
         out_size: u32,
         reply: impl AnswerIoctl,
     ) {
+        if cmd == abi::BIRCHFS_IOC_SYNC {
+            if self.fs.options().readonly {
+                return reply.ioctl(0, &[]);
+            }
+            return match self.fs.commit() {
+                Ok(()) => reply.ioctl(0, &[]),
+                Err(e) => {
+                    tracing::error!("commit asked for by pid {} failed: {e}", c.pid);
+                    reply.error(errno(&e))
+                }
+            };
+        }
         if cmd != abi::FITRIM {
             tracing::debug!("ioctl {cmd:#x} on inode {}: not supported", to_ino(nodeid));
             return reply.error(err(libc::ENOTTY));
@@ -1463,6 +1477,71 @@ mod tests {
             Got::Err(libc::ENOTTY),
             "FS_IOC_GETFLAGS"
         );
+    }
+
+    /// BIRCHFS_IOC_SYNC commits what birchfs holds, for any caller: a power cut before
+    /// it loses a write never fsynced, one after it keeps the write; a commit that fails
+    /// is answered with its errno.
+    #[test]
+    fn the_sync_ioctl_commits_and_answers_a_failure() {
+        use crate::dev::CrashDev;
+        let mem = Arc::new(MemDev::new(64 << 20));
+        Fs::mkfs(mem.clone(), &MkfsOptions::default()).unwrap();
+        let dev = Arc::new(CrashDev::new(mem.image()));
+        let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
+        let ffs = FuseFs::new(fs.clone());
+        let (tx, rx) = channel();
+        let me = Creds {
+            uid: 1000,
+            gid: 100,
+        };
+        let f = fs.mknod(ROOT_INO, b"f", 0o100644, 0, me).unwrap();
+        fs.write(f.ino, 0, b"synced").unwrap();
+        // What a power cut now keeps: everything written up to the last flush.
+        let cut = || {
+            let upto = dev.flush_points().last().copied().unwrap_or(0);
+            let fs = Fs::open(
+                Arc::new(MemDev::from_image(dev.image_with(upto, &[]))),
+                Options::default(),
+            )
+            .unwrap();
+            let r = fs
+                .lookup(ROOT_INO, b"f")
+                .and_then(|a| fs.read(a.ino, 0, 64));
+            r.ok()
+        };
+        assert_eq!(cut(), None, "the file was durable before the sync");
+        let anyone = Caller {
+            uid: 1000,
+            gid: 100,
+            pid: 1,
+        };
+        ffs.ioctl(
+            &anyone,
+            ROOT_INO,
+            abi::BIRCHFS_IOC_SYNC,
+            &[],
+            0,
+            Reply(tx.clone()),
+        );
+        assert_eq!(rx.recv().unwrap(), Got::Ioctl(0, vec![]));
+        assert_eq!(
+            cut().as_deref(),
+            Some(&b"synced"[..]),
+            "not durable after the sync"
+        );
+        // On a file too, and a dead disk is reported, not answered as done.
+        fs.write(f.ino, 0, b"lost").unwrap();
+        dev.fail_after(0);
+        ffs.ioctl(
+            &anyone,
+            f.ino,
+            abi::BIRCHFS_IOC_SYNC,
+            &[],
+            0,
+            Reply(tx.clone()),
+        );
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EIO));
     }
 
     /// SEEK_DATA answers from birchfs's extents only while no handle of the file is
