@@ -3882,6 +3882,31 @@ fn fstrim_gives_the_free_space_back_to_the_host() {
     }
 }
 
+/// syncfs() (`sync -f`) succeeds after an unlink: the kernel writes back the times
+/// unlink stamped on the deleted file, and an error for that was kept as a writeback
+/// error of the whole mount, which syncfs returned (ENOENT).
+#[test]
+fn syncfs_succeeds_after_an_unlink() {
+    let m = Mount::new();
+    for i in 0..3 {
+        let p = m.path(&format!("f{i}"));
+        let mut f = File::create(&p).unwrap();
+        f.write_all(b"data").unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        fs::remove_file(&p).unwrap();
+        let d = File::open(m.root()).unwrap();
+        // SAFETY: syncfs on a valid fd owned by `d`.
+        let rc = unsafe { libc::syncfs(d.as_raw_fd()) };
+        assert_eq!(
+            rc,
+            0,
+            "syncfs after unlink {i}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// `birchfs sync` makes what a mount holds durable at once: a file written and not
 /// fsynced, in a new directory, survives a kill -9 of the daemon right after it, where
 /// one written after it is lost (commit=0: no timer commits). A directory that is not
