@@ -40,6 +40,8 @@ pub struct Stats {
     pub dev_super_bytes: AtomicU64,
     /// Bytes of log records written to the device.
     pub dev_log_bytes: AtomicU64,
+    /// Bytes of free space discarded (fstrim, and online discard after commits).
+    pub dev_discarded_bytes: AtomicU64,
     /// Device flushes.
     pub flushes: AtomicU64,
     /// Log batches written: one per group commit that had records of its own to write.
@@ -109,6 +111,7 @@ impl Stats {
             dev_meta_bytes: g(&self.dev_meta_bytes),
             dev_super_bytes: g(&self.dev_super_bytes),
             dev_log_bytes: g(&self.dev_log_bytes),
+            dev_discarded_bytes: g(&self.dev_discarded_bytes),
             flushes: g(&self.flushes),
             log_commits: g(&self.log_commits),
             log_commits_overlapped: g(&self.log_commits_overlapped),
@@ -175,6 +178,8 @@ pub struct StatsSnapshot {
     pub dev_super_bytes: u64,
     /// See [`Stats::dev_log_bytes`].
     pub dev_log_bytes: u64,
+    /// See [`Stats::dev_discarded_bytes`].
+    pub dev_discarded_bytes: u64,
     /// See [`Stats::flushes`].
     pub flushes: u64,
     /// See [`Stats::log_commits`].
@@ -315,7 +320,7 @@ impl StatsSnapshot {
             concat!(
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"log_flushes_shared\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
-                "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{}}},",
+                "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"gather\":{{\"chosen\":{},\"declined\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
@@ -340,6 +345,7 @@ impl StatsSnapshot {
             self.dev_read_bytes,
             self.cloned_bytes,
             self.direct_read_bytes,
+            self.dev_discarded_bytes,
             self.writeback_runs,
             self.readahead_async,
             self.read_waits,
@@ -418,6 +424,11 @@ impl StatsSnapshot {
             &mut s,
             "device bytes: super",
             self.dev_super_bytes.to_string(),
+        );
+        row(
+            &mut s,
+            "device bytes discarded",
+            self.dev_discarded_bytes.to_string(),
         );
         row(&mut s, "device flushes", self.flushes.to_string());
         row(

@@ -108,6 +108,13 @@ pub(crate) struct CommitBatch {
     pub(crate) closing: Option<crate::log::Batch>,
 }
 
+impl CommitBatch {
+    /// The extents this commit frees, released once it is durable.
+    pub(crate) fn pinned(&self) -> &[(u64, u64)] {
+        &self.pinned
+    }
+}
+
 fn random_fsid() -> [u8; 16] {
     let mut id = [0u8; 16];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {

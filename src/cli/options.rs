@@ -86,13 +86,18 @@ fn default_threads() -> usize {
         .clamp(2, 16)
 }
 
+/// Shortest run of freed space that `discard` (without a size) discards: smaller
+/// holes punched into an image file would fragment it on the host, and the next
+/// writes there would wait for the host to allocate again.
+const DISCARD_MIN_DEFAULT: u64 = 1 << 20;
+
 /// The error for a mount option birchfs does not know.
 fn unknown_option(opt: &str) -> String {
     format!(
         "unknown mount option '{opt}' (known: commit=SECONDS, cache_size=SIZE, \
          folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, threads=N, \
          fsync_gather=on|off, direct_read=SIZE|off, uring=auto|on|off, uring_threads=N, \
-         uring_depth=N, ro, rw, nosuid, nodev, noexec, noatime, sync, defaults)"
+         uring_depth=N, discard[=SIZE], nodiscard, ro, rw, nosuid, nodev, noexec, noatime, sync, defaults)"
     )
 }
 
@@ -145,6 +150,13 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             Some(("block_dirty", "off")) => o.fs.cache.block_dirty = false,
             Some(("fsync_gather", "on")) => o.gather = true,
             Some(("fsync_gather", "off")) => o.gather = false,
+            Some(("discard", v)) => {
+                let min = parse_size(v).with_context(|| format!("in mount option '{opt}'"))?;
+                if min < 4096 {
+                    bail!("mount option '{opt}': at least 4K (one block)");
+                }
+                o.fs.discard = Some(min);
+            }
             Some(("direct_read", "off")) => o.direct_read = Some(None),
             Some(("direct_read", v)) => {
                 o.direct_read = Some(Some(
@@ -165,6 +177,8 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
                 "noatime" | "nodiratime" => o.vfs.noatime = true,
                 "sync" => o.vfs.sync = true,
                 "async" => o.vfs.sync = false,
+                "discard" => o.fs.discard = Some(DISCARD_MIN_DEFAULT),
+                "nodiscard" => o.fs.discard = None,
                 "defaults" => {}
                 "atime" | "relatime" | "strictatime" | "diratime" | "lazytime" => bail!(
                     "mount option '{opt}': birchfs does not update access times on reads \
@@ -212,6 +226,10 @@ mod tests {
         let o = parse("ro,rw,direct_read=1M,cache_size=32M").unwrap();
         assert!(!o.fs.readonly);
         assert_eq!(o.direct_read(), Some(1 << 20));
+        assert_eq!(o.fs.discard, None, "discard is off unless asked for");
+        assert_eq!(parse("discard").unwrap().fs.discard, Some(1 << 20));
+        assert_eq!(parse("discard=64K").unwrap().fs.discard, Some(64 << 10));
+        assert_eq!(parse("discard,nodiscard").unwrap().fs.discard, None);
         // Unset, direct_read follows the cache size.
         assert_eq!(
             parse("cache_size=32M").unwrap().direct_read(),
@@ -230,6 +248,8 @@ mod tests {
             ("cache_size=lots", "cache_size=lots"),
             ("commit=-1", "commit=-1"),
             ("folio_size=3K", "folio"),
+            ("discard=1K", "discard=1K"),
+            ("discard=x", "discard=x"),
         ] {
             let e = format!("{:#}", parse(opt).err().expect(opt));
             assert!(e.contains(says), "{opt}: {e}");

@@ -43,6 +43,9 @@ pub struct Options {
     pub commit_interval: Duration,
     /// The page cache: size, folio size, writeback age, per-block dirty tracking.
     pub cache: CacheOptions,
+    /// Online discard: after each commit, discard the runs of at least this many bytes
+    /// among what it freed (`None`: off; `fstrim` still works).
+    pub discard: Option<u64>,
 }
 
 impl Default for Options {
@@ -51,6 +54,7 @@ impl Default for Options {
             readonly: false,
             commit_interval: Duration::from_secs(30),
             cache: CacheOptions::default(),
+            discard: None,
         }
     }
 }
@@ -196,6 +200,22 @@ pub(crate) struct Inner {
 #[cfg(test)]
 pub(crate) type WriteHook = Box<dyn Fn(bool) + Send + Sync>;
 
+/// The runs of at least `min_len` bytes in `freed` (extents in any order, none
+/// overlapping), adjacent ones joined, in address order.
+fn discard_runs(freed: &[(u64, u64)], min_len: u64) -> Vec<(u64, u64)> {
+    let mut v = freed.to_vec();
+    v.sort_unstable();
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for (s, l) in v {
+        match runs.last_mut() {
+            Some((rs, rl)) if *rs + *rl == s => *rl += l,
+            _ => runs.push((s, l)),
+        }
+    }
+    runs.retain(|&(_, l)| l >= min_len.max(1));
+    runs
+}
+
 /// Most bytes [`Fs::trim`] discards under one hold of the fs lock.
 const TRIM_PIECE_BYTES: u64 = 1 << 30;
 /// Most extents [`Fs::trim`] discards under one hold of the fs lock.
@@ -218,6 +238,8 @@ pub struct Fs {
     log_lock: Mutex<()>,
     /// Notified (with `inner`) when a log flush ends, for fsyncs that share it.
     log_flushed: parking_lot::Condvar,
+    /// Set once the device said it cannot discard: online discard stops asking.
+    discard_unsupported: std::sync::atomic::AtomicBool,
     dev: Arc<dyn BlockDev>,
     stats: Arc<Stats>,
     opts: Options,
@@ -305,6 +327,7 @@ impl Fs {
             commit_lock: Mutex::new(()),
             log_lock: Mutex::new(()),
             log_flushed: parking_lot::Condvar::new(),
+            discard_unsupported: std::sync::atomic::AtomicBool::new(false),
             dev,
             stats,
             opts,
@@ -480,6 +503,10 @@ impl Fs {
             tracing::error!("commit failed, refusing further changes: {e}");
             self.inner.lock().store.failed = true;
             return Err(e);
+        }
+        if let Some(min_len) = self.opts.discard {
+            // Still pinned: nothing can be handed these ranges until finish_commit.
+            self.discard_freed(batch.pinned(), min_len);
         }
         self.inner.lock().store.finish_commit(batch);
         drop(log_guard);
@@ -964,12 +991,41 @@ impl Fs {
                 if !self.dev.discard(s, l)? {
                     return Err(Error::NotSupported);
                 }
+                Stats::add(&self.stats.dev_discarded_bytes, l);
                 trimmed += l;
             }
             drop(g);
             pos = s + l;
         }
         Ok(trimmed)
+    }
+
+    /// Online discard of what a durable commit freed (`freed`, still pinned): the runs
+    /// of at least `min_len` bytes once adjacent pieces are joined. A failure only
+    /// leaves space allocated on the host, so it is logged, not returned; a device
+    /// that cannot discard is not asked again.
+    fn discard_freed(&self, freed: &[(u64, u64)], min_len: u64) {
+        if self
+            .discard_unsupported
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        for (off, len) in discard_runs(freed, min_len) {
+            match self.dev.discard(off, len) {
+                Ok(true) => Stats::add(&self.stats.dev_discarded_bytes, len),
+                Ok(false) => {
+                    tracing::warn!("the device cannot discard: online discard is off");
+                    self.discard_unsupported
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!("discard of {len} bytes at {off} failed: {e}");
+                    return;
+                }
+            }
+        }
     }
 
     /// Sets an extended attribute; `create`/`replace` as XATTR_CREATE/XATTR_REPLACE.

@@ -1466,6 +1466,85 @@ fn trim_discards_the_free_space_and_nothing_else() {
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
 
+/// Online discard: each commit discards the runs of at least the minimum among what
+/// it freed (a deleted file's blocks, an unlinked file's once closed), and nothing
+/// that is still held or shorter (an open unlinked file, one block freed by an
+/// overwrite). Everything reads back after a crash and a remount.
+#[test]
+fn online_discard_discards_what_a_commit_freed_and_nothing_else() {
+    let dev = Arc::new(MemDev::new(64 * MB));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let opts = Options {
+        discard: Some(MB),
+        ..Options::default()
+    };
+    let fs = Fs::open(dev.clone(), opts.clone()).unwrap();
+    let poisoned = |dev: &MemDev| {
+        dev.image()
+            .chunks(4096)
+            .filter(|b| b.iter().all(|&x| x == crate::dev::DISCARDED))
+            .count() as u64
+            * 4096
+    };
+    let discarded = |fs: &Fs| fs.stats().dev_discarded_bytes;
+    let keep = fs.mknod(ROOT_INO, b"keep", 0o644, 0, cr()).unwrap();
+    fs.write(keep.ino, 0, &pattern(3 * MB as usize, 1)).unwrap();
+    let gone = fs.mknod(ROOT_INO, b"gone", 0o644, 0, cr()).unwrap();
+    fs.write(gone.ino, 0, &pattern(4 * MB as usize, 2)).unwrap();
+    let orphan = fs.mknod(ROOT_INO, b"orphan", 0o644, 0, cr()).unwrap();
+    fs.open_ino(orphan.ino).unwrap();
+    fs.write(orphan.ino, 0, &pattern(2 * MB as usize, 3))
+        .unwrap();
+    fs.commit().unwrap();
+    // (Tree nodes copied on write free runs far below the minimum.)
+    assert_eq!(discarded(&fs), 0, "discarded with no file data freed");
+
+    fs.unlink(ROOT_INO, b"orphan").unwrap();
+    fs.unlink(ROOT_INO, b"gone").unwrap();
+    fs.commit().unwrap();
+    let after_delete = discarded(&fs);
+    // (A tree node freed next to the file's blocks may join their run.)
+    assert!(
+        (4 * MB..5 * MB).contains(&after_delete),
+        "the deleted file's 4 MiB, not the open one's: {after_delete}"
+    );
+    assert_eq!(
+        poisoned(&dev),
+        after_delete,
+        "discarded blocks on the device"
+    );
+    assert_eq!(read_all(&fs, keep.ino), pattern(3 * MB as usize, 1));
+    assert_eq!(read_all(&fs, orphan.ino), pattern(2 * MB as usize, 3));
+
+    // One block copied on write frees one block: below the minimum.
+    fs.write(keep.ino, MB, &pattern(4096, 7)).unwrap();
+    fs.commit().unwrap();
+    assert_eq!(discarded(&fs), after_delete, "a 4 KiB run was discarded");
+
+    // A crash now, and after it the data of both live files.
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    let fs2 = Fs::open(crashed.clone(), Options::default()).unwrap();
+    let mut want = pattern(3 * MB as usize, 1);
+    want[MB as usize..MB as usize + 4096].copy_from_slice(&pattern(4096, 7));
+    let a = fs2.lookup(ROOT_INO, b"keep").unwrap();
+    assert_eq!(read_all(&fs2, a.ino), want);
+    assert!(fs2.lookup(ROOT_INO, b"gone").is_err());
+    assert_eq!(problems_after_unmount(&crashed, fs2), Vec::<String>::new());
+
+    // Closed, the unlinked file's space goes at the next commit.
+    fs.release(orphan.ino).unwrap();
+    fs.commit().unwrap();
+    assert!(
+        discarded(&fs) >= after_delete + 2 * MB,
+        "the closed file's space was not discarded: {}",
+        discarded(&fs)
+    );
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+    let fs = Fs::open(dev.clone(), opts).unwrap();
+    let a = fs.lookup(ROOT_INO, b"keep").unwrap();
+    assert_eq!(read_all(&fs, a.ino), want);
+}
+
 /// A read-only mount trims nothing.
 #[test]
 fn trim_is_refused_read_only() {
