@@ -3939,26 +3939,36 @@ fn online_discard_gives_a_deleted_files_space_back_at_its_commit() {
     }
 }
 
-/// syncfs() (`sync -f`) succeeds after an unlink: the kernel writes back the times
-/// unlink stamped on the deleted file, and an error for that was kept as a writeback
-/// error of the whole mount, which syncfs returned (ENOENT).
+/// syncfs() (`sync -f`) succeeds after an unlink, and after a rename over a file:
+/// the kernel writes back the times it stamped on the deleted file, and an error for
+/// that was kept as a writeback error of the whole mount, which syncfs returned
+/// (ENOENT).
 #[test]
 fn syncfs_succeeds_after_an_unlink() {
     let m = Mount::new();
-    for i in 0..3 {
+    for i in 0..4 {
         let p = m.path(format!("f{i}"));
         let mut f = File::create(&p).unwrap();
         f.write_all(b"data").unwrap();
         f.sync_all().unwrap();
         drop(f);
-        fs::remove_file(&p).unwrap();
+        if i % 2 == 0 {
+            fs::remove_file(&p).unwrap();
+        } else {
+            // Write, fsync, rename over: the old file goes.
+            let t = m.path("new");
+            let mut f = File::create(&t).unwrap();
+            f.write_all(b"new data").unwrap();
+            f.sync_all().unwrap();
+            fs::rename(&t, &p).unwrap();
+        }
         let d = File::open(m.root()).unwrap();
         // SAFETY: syncfs on a valid fd owned by `d`.
         let rc = unsafe { libc::syncfs(d.as_raw_fd()) };
         assert_eq!(
             rc,
             0,
-            "syncfs after unlink {i}: {}",
+            "syncfs after unlink or rename {i}: {}",
             std::io::Error::last_os_error()
         );
     }
