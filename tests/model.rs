@@ -513,12 +513,18 @@ proptest! {
         run(&ops);
     }
 
+    /// Also with online discard of every run a commit frees, half the time.
     #[test]
     fn library_matches_model_through_a_tiny_cache(
         ops in proptest::collection::vec(op(), 1..80),
         block_dirty in any::<bool>(),
+        discard in any::<bool>(),
     ) {
-        run_with(&ops, tiny_cache(block_dirty));
+        let opts = Options {
+            discard: discard.then_some(4096),
+            ..tiny_cache(block_dirty)
+        };
+        run_with(&ops, opts);
     }
 }
 

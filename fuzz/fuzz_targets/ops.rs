@@ -12,7 +12,10 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     let dev = Arc::new(MemDev::new(32 << 20));
     Fs::mkfs(dev.clone(), &MkfsOptions { node_size: Some(4096), ..Default::default() }).unwrap();
-    let mut fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    // A first byte with its top bit set: online discard of every run a commit frees.
+    let discard = data.first().is_some_and(|b| b & 0x80 != 0).then_some(4096);
+    let opts = Options { discard, ..Options::default() };
+    let mut fs = Fs::open(dev.clone(), opts.clone()).unwrap();
     let mut model: BTreeMap<u8, Vec<u8>> = BTreeMap::new();
     for op in data.chunks_exact(3) {
         let name = [b'a' + op[1] % 6];
@@ -71,7 +74,7 @@ fuzz_target!(|data: &[u8]| {
                     fs.trim(0, u64::MAX, 0).unwrap();
                 }
                 fs.unmount().unwrap();
-                fs = Fs::open(dev.clone(), Options::default()).unwrap();
+                fs = Fs::open(dev.clone(), opts.clone()).unwrap();
             }
             _ => {}
         }
