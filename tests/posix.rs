@@ -3826,24 +3826,36 @@ fn fitrim(dir: &Path, start: u64, len: u64, min_len: u64) -> Result<u64, i32> {
     }
 }
 
-/// `fstrim` gives a deleted file's space back to the host, on an image file (as
-/// holes) and on a loop device (as discards, which punch the holes in its backing
-/// file); what is stored stays. Only root or the user who mounted may trim.
-#[test]
-fn fstrim_gives_the_free_space_back_to_the_host() {
-    use std::os::unix::fs::MetadataExt;
-    for on_loop in [false, true] {
+/// A 512 MiB birchfs, on a loop device or an image file, mounted with `opts`, that
+/// holds a 64 MiB file `big` and a 1 MiB file `keep`, both fsynced.
+struct Stored {
+    m: Mount,
+    /// The host file whose blocks hold the filesystem: the image, or the loop
+    /// device's backing file.
+    host: PathBuf,
+    /// What `keep` holds.
+    keep: Vec<u8>,
+    /// Bytes of the host's blocks in `host` once both files were stored.
+    full: u64,
+}
+
+impl Stored {
+    fn new(on_loop: bool, opts: &[&str], seed: u64) -> Stored {
         let mut m = if on_loop {
             Mount::on_loop_device("512M")
         } else {
             Mount::with_size("512M")
         };
+        if !opts.is_empty() {
+            m.unmount();
+            m.mount_with(opts);
+        }
         let host = if on_loop {
             m.host_dir().join("backing")
         } else {
             m.image().to_path_buf()
         };
-        let mut rng = StdRng::seed_from_u64(11);
+        let mut rng = StdRng::seed_from_u64(seed);
         let big: Vec<u8> = (0..64 << 20).map(|_| rng.gen()).collect();
         let keep: Vec<u8> = (0..1 << 20).map(|_| rng.gen()).collect();
         for (name, data) in [("big", &big), ("keep", &keep)] {
@@ -3851,19 +3863,57 @@ fn fstrim_gives_the_free_space_back_to_the_host() {
             f.write_all(data).unwrap();
             f.sync_all().unwrap();
         }
-        let used = |p: &Path| fs::metadata(p).unwrap().blocks() * 512;
-        let full = used(&host);
+        let full = host_blocks(&host);
         assert!(
             full >= 65 << 20,
             "{}: only {full} bytes stored",
             host.display()
         );
+        Stored {
+            m,
+            host,
+            keep,
+            full,
+        }
+    }
+
+    /// `keep` reads back, also after a remount; then unmounts (check is clean).
+    fn keep_stays(mut self) {
+        let m = &mut self.m;
+        assert!(
+            fs::read(m.path("keep")).unwrap() == self.keep,
+            "keep differs"
+        );
+        m.remount();
+        assert!(
+            fs::read(m.path("keep")).unwrap() == self.keep,
+            "keep differs after remount"
+        );
+        m.unmount();
+    }
+}
+
+/// Bytes of the host's blocks that `p` takes.
+fn host_blocks(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(p).unwrap().blocks() * 512
+}
+
+/// `fstrim` gives a deleted file's space back to the host, on an image file (as
+/// holes) and on a loop device (as discards, which punch the holes in its backing
+/// file); what is stored stays. Only root or the user who mounted may trim.
+#[test]
+fn fstrim_gives_the_free_space_back_to_the_host() {
+    for on_loop in [false, true] {
+        let st = Stored::new(on_loop, &[], 11);
+        let m = &st.m;
         fs::remove_file(m.path("big")).unwrap();
         let trimmed = fitrim(m.root(), 0, u64::MAX, 0).expect("FITRIM failed");
-        let after = used(&host);
+        let after = host_blocks(&st.host);
         assert!(
-            trimmed >= 64 << 20 && full - after >= 60 << 20,
-            "on_loop {on_loop}: {trimmed} bytes trimmed, host blocks {full} -> {after}"
+            trimmed >= 64 << 20 && st.full - after >= 60 << 20,
+            "on_loop {on_loop}: {trimmed} bytes trimmed, host blocks {} -> {after}",
+            st.full
         );
         assert_eq!(fitrim(m.root(), 0, u64::MAX, 1 << 40), Ok(0), "minlen");
         let as_nobody = run_as(65534, 65534, || fitrim(m.root(), 0, u64::MAX, 0));
@@ -3872,13 +3922,7 @@ fn fstrim_gives_the_free_space_back_to_the_host() {
             Err(libc::EPERM),
             "a user who did not mount trimmed"
         );
-        assert!(fs::read(m.path("keep")).unwrap() == keep, "keep differs");
-        m.remount();
-        assert!(
-            fs::read(m.path("keep")).unwrap() == keep,
-            "keep differs after remount"
-        );
-        m.unmount();
+        st.keep_stays();
     }
 }
 
@@ -3888,54 +3932,23 @@ fn fstrim_gives_the_free_space_back_to_the_host() {
 /// remount, and check is clean.
 #[test]
 fn online_discard_gives_a_deleted_files_space_back_at_its_commit() {
-    use std::os::unix::fs::MetadataExt;
     for on_loop in [false, true] {
-        let mut m = if on_loop {
-            Mount::on_loop_device("512M")
-        } else {
-            Mount::with_size("512M")
-        };
-        m.unmount();
-        m.mount_with(&["discard"]);
-        let host = if on_loop {
-            m.host_dir().join("backing")
-        } else {
-            m.image().to_path_buf()
-        };
-        let mut rng = StdRng::seed_from_u64(14);
-        let big: Vec<u8> = (0..64 << 20).map(|_| rng.gen()).collect();
-        let keep: Vec<u8> = (0..1 << 20).map(|_| rng.gen()).collect();
-        for (name, data) in [("big", &big), ("keep", &keep)] {
-            let mut f = File::create(m.path(name)).unwrap();
-            f.write_all(data).unwrap();
-            f.sync_all().unwrap();
-        }
-        let sync = |m: &Mount| {
+        let st = Stored::new(on_loop, &["discard"], 14);
+        let m = &st.m;
+        let sync = || {
             let out = birchfs(["sync".as_ref(), m.root().as_os_str()]);
             assert!(out.status.success(), "{}", describe(&out));
         };
-        sync(&m);
-        let used = |p: &Path| fs::metadata(p).unwrap().blocks() * 512;
-        let full = used(&host);
-        assert!(
-            full >= 65 << 20,
-            "{}: only {full} bytes stored",
-            host.display()
-        );
+        sync();
+        let full = host_blocks(&st.host);
         fs::remove_file(m.path("big")).unwrap();
-        sync(&m);
-        let after = used(&host);
+        sync();
+        let after = host_blocks(&st.host);
         assert!(
             full - after >= 60 << 20,
             "on_loop {on_loop}: host blocks {full} -> {after} after the delete's commit"
         );
-        assert!(fs::read(m.path("keep")).unwrap() == keep, "keep differs");
-        m.remount();
-        assert!(
-            fs::read(m.path("keep")).unwrap() == keep,
-            "keep differs after remount"
-        );
-        m.unmount();
+        st.keep_stays();
     }
 }
 
