@@ -196,14 +196,18 @@ fn open_unmounted(target: &Path) -> Result<Fs> {
     .with_context(|| format!("cannot open {}", target.display()))
 }
 
+/// The root of the birchfs mounted at `dir`, opened for an ioctl; an error for any
+/// other directory, whose filesystem would take birchfs's ioctls (and FITRIM) as its own.
+fn open_mount(dir: &Path) -> Result<std::fs::File> {
+    cli::umount::image_mounted_at(dir)?;
+    std::fs::File::open(dir).with_context(|| format!("cannot open {}", dir.display()))
+}
+
 /// `birchfs sync`: the kernel's cached writes go to the daemon (syncfs), then the
 /// daemon commits ([`birchfs::fuse::BIRCHFS_IOC_SYNC`]).
 fn sync_cmd(mountpoint: &Path) -> Result<()> {
     use std::os::fd::AsRawFd;
-    // Only a birchfs mount: the ioctl's number means nothing to other filesystems.
-    cli::umount::image_mounted_at(mountpoint)?;
-    let d = std::fs::File::open(mountpoint)
-        .with_context(|| format!("cannot open {}", mountpoint.display()))?;
+    let d = open_mount(mountpoint)?;
     // SAFETY: syncfs on a valid fd owned by `d`.
     if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
         let e = std::io::Error::last_os_error();
@@ -240,11 +244,7 @@ fn sync_cmd(mountpoint: &Path) -> Result<()> {
 /// discarded.
 fn trim_cmd(target: &Path) -> Result<u64> {
     if target.is_dir() {
-        // Only a birchfs mount: FITRIM on any other directory would trim whatever
-        // filesystem holds it.
-        cli::umount::image_mounted_at(target)?;
-        let d = std::fs::File::open(target)
-            .with_context(|| format!("cannot open {}", target.display()))?;
+        let d = open_mount(target)?;
         let mut range = [0, u64::MAX, 0];
         // SAFETY: FITRIM reads and writes a struct fstrim_range (three u64s).
         let rc = unsafe {

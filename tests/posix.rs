@@ -4013,29 +4013,38 @@ fn birchfs_sync_makes_what_a_mount_holds_durable() {
         !m.path("unsynced").exists(),
         "a file never synced survived the kill: this test cannot tell a sync from none"
     );
-    let out = birchfs(["sync".as_ref(), m.host_dir().as_os_str()]);
-    assert!(!out.status.success(), "{}", describe(&out));
+    refused_as_not_a_mount("sync", m.host_dir());
+    m.unmount();
+}
+
+/// `birchfs CMD DIR` fails, saying DIR is not a birchfs mountpoint.
+#[track_caller]
+fn refused_as_not_a_mount(cmd: &str, dir: &Path) {
+    let out = run(Command::new(BIN).arg(cmd).arg(dir), Duration::from_secs(30));
+    assert!(
+        !out.status.success(),
+        "birchfs {cmd} {} succeeded:\n{}",
+        dir.display(),
+        describe(&out)
+    );
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("not a birchfs mountpoint"),
         "{}",
         describe(&out)
     );
-    m.unmount();
 }
 
 /// `birchfs trim` does the same for an unmounted image, and through FITRIM for a
 /// mount; the image stays clean and its files whole.
 #[test]
 fn birchfs_trim_takes_an_image_or_a_mount() {
-    use std::os::unix::fs::MetadataExt;
     let mut m = Mount::with_size("512M");
     let mut rng = StdRng::seed_from_u64(12);
     let big: Vec<u8> = (0..64 << 20).map(|_| rng.gen()).collect();
     fs::write(m.path("big"), &big).unwrap();
     fs::write(m.path("keep"), &big[..1 << 20]).unwrap();
     m.unmount();
-    let used = |m: &Mount| fs::metadata(m.image()).unwrap().blocks() * 512;
-    let full = used(&m);
+    let full = host_blocks(m.image());
     m.mount();
     fs::remove_file(m.path("big")).unwrap();
     m.unmount();
@@ -4046,7 +4055,7 @@ fn birchfs_trim_takes_an_image_or_a_mount() {
         "{}",
         describe(&out)
     );
-    let after = used(&m);
+    let after = host_blocks(m.image());
     assert!(full - after >= 60 << 20, "image blocks {full} -> {after}");
     let c = m.check();
     assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
@@ -4059,17 +4068,7 @@ fn birchfs_trim_takes_an_image_or_a_mount() {
     assert!(out.status.success(), "{}", describe(&out));
     // Not a birchfs mount (here the host's directory around it): refused, as FITRIM
     // there would trim the host's filesystem.
-    let out = birchfs(["trim".as_ref(), m.host_dir().as_os_str()]);
-    assert!(
-        !out.status.success(),
-        "trimmed the host:\n{}",
-        describe(&out)
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("not a birchfs mountpoint"),
-        "{}",
-        describe(&out)
-    );
+    refused_as_not_a_mount("trim", m.host_dir());
     m.unmount();
 }
 
@@ -4168,22 +4167,8 @@ fn birchfs_umount_returns_after_the_last_commit() {
     let c = m.check();
     assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
     // Not a birchfs mount, or nothing mounted: an error, and nothing unmounted.
-    for p in [m.root().to_path_buf(), PathBuf::from("/proc")] {
-        let out = run(
-            Command::new(BIN).arg("umount").arg(&p),
-            Duration::from_secs(30),
-        );
-        assert!(
-            !out.status.success(),
-            "umount {}:\n{}",
-            p.display(),
-            describe(&out)
-        );
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("not a birchfs mountpoint"),
-            "{}",
-            describe(&out)
-        );
+    for p in [m.root(), Path::new("/proc")] {
+        refused_as_not_a_mount("umount", p);
     }
     assert!(is_mounted_at(Path::new("/proc")));
     m.mount();

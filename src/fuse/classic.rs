@@ -429,7 +429,7 @@ impl Filesystem for FuseFs {
         FuseFs::fallocate(self, &caller(req), ino.0, offset, length, mode, reply)
     }
 
-    /// FITRIM; ENOTTY for the rest (see [`FuseFs::ioctl`]).
+    /// FITRIM and BIRCHFS_IOC_SYNC; ENOTTY for the rest (see [`FuseFs::ioctl`]).
     fn ioctl(
         &self,
         req: &Request,
