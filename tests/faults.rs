@@ -306,6 +306,101 @@ fn full_disk_gives_enospc_keeps_data_and_still_deletes() {
     m.unmount();
 }
 
+/// A tmpfs of a given size mounted for a test (the host filesystem of an image), lazily
+/// unmounted when dropped, also while a daemon still holds a file on it.
+struct SmallHost(std::path::PathBuf);
+
+impl SmallHost {
+    fn new(dir: std::path::PathBuf, size: &str) -> SmallHost {
+        fs::create_dir(&dir).unwrap();
+        let out = run(
+            Command::new("mount")
+                .args(["-t", "tmpfs", "-o"])
+                .arg(format!("size={size}"))
+                .arg("tmpfs")
+                .arg(&dir),
+            SHELL_TIMEOUT,
+        );
+        assert!(
+            out.status.success(),
+            "tmpfs (needs root):\n{}",
+            describe(&out)
+        );
+        SmallHost(dir)
+    }
+
+    fn resize(&self, size: &str) {
+        let out = run(
+            Command::new("mount")
+                .arg("-o")
+                .arg(format!("remount,size={size}"))
+                .arg(&self.0),
+            SHELL_TIMEOUT,
+        );
+        assert!(out.status.success(), "{}", describe(&out));
+    }
+}
+
+impl Drop for SmallHost {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A sparse image whose host has less room than the image may still take is mounted
+/// with a warning that says so; when the host then fills up, fsynced data survives
+/// and the failure is reported, and a preallocated image there mounts without it.
+#[test]
+fn a_sparse_image_on_a_host_short_of_room_is_mounted_with_a_warning() {
+    let mut m = Mount::bare();
+    let host = SmallHost::new(m.host_dir().join("host"), "96M");
+    std::os::unix::fs::symlink(host.0.join("img"), m.image()).unwrap();
+    let out = m.mkfs(&["--size", "1G"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let out = m.try_mount(&["commit=0"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("warning:") && err.contains("host has") && err.contains("--preallocate"),
+        "no warning: {}",
+        describe(&out)
+    );
+    // The host fills up before birchfs does: fsynced data stays, the rest fails.
+    fs::write(m.path("keep"), b"fsynced").unwrap();
+    File::open(m.path("keep")).unwrap().sync_all().unwrap();
+    let mut f = File::create(m.path("big")).unwrap();
+    let chunk = vec![0x5au8; 1 << 20];
+    let failed = (0..200)
+        .find_map(|_| f.write_all(&chunk).err())
+        .or_else(|| f.sync_all().err());
+    drop(f);
+    let failed = failed.expect("200 MiB fitted a 96 MiB host");
+    assert!(
+        matches!(failed.raw_os_error(), Some(libc::ENOSPC | libc::EIO)),
+        "{failed}"
+    );
+    m.unmount_unchecked();
+    host.resize("1200M");
+    m.mount_with(&[]);
+    assert_eq!(fs::read(m.path("keep")).unwrap(), b"fsynced");
+    m.unmount();
+    let out = m.check();
+    assert!(out.status.success(), "{}", describe(&out));
+    // A preallocated image that fits its host: no warning.
+    fs::remove_file(host.0.join("img")).unwrap();
+    host.resize("96M");
+    let out = m.mkfs(&["--size", "64M", "--preallocate"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let out = m.try_mount(&[]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warning"),
+        "{}",
+        describe(&out)
+    );
+    m.unmount();
+}
+
 /// A disk filled up with small files in many directories (the trees large beside
 /// the metadata reserve), killed with fsynced work in its log, can be emptied with
 /// `rm -rf` after the crash: every deletion succeeds, and so do the commits that

@@ -49,7 +49,11 @@ pub(crate) fn mount_background(args: &[String]) -> Result<()> {
     drop(wr);
     let mut msg = String::new();
     std::fs::File::from(rd).read_to_string(&mut msg)?;
-    if msg.starts_with("ok") {
+    if let Some(rest) = msg.strip_prefix("ok\n") {
+        // Warnings the daemon found while mounting, one a line.
+        for line in rest.lines() {
+            eprintln!("birchfs mount: {line}");
+        }
         return Ok(());
     }
     let _ = child.wait();
@@ -259,8 +263,18 @@ fn mount_serve(
             }
         })?;
     }
+    let warning = (!mo.fs.readonly)
+        .then(|| host_space_warning(image))
+        .flatten();
+    if let Some(w) = &warning {
+        tracing::warn!("{w}");
+    }
     if let Some(mut f) = ready.take() {
-        let _ = f.write_all(b"ok\n");
+        let mut msg = String::from("ok\n");
+        if let Some(w) = warning {
+            msg.push_str(&format!("warning: {w}\n"));
+        }
+        let _ = f.write_all(msg.as_bytes());
     }
     // `run` consumes the session and with it the filesystem, whose drop waits for the
     // fsync workers: the final commit comes after any writeback they were doing.
@@ -275,6 +289,51 @@ fn mount_serve(
 
 /// How many group commits may run at once when `threads` serve the io_uring queues:
 /// half of them, so that at most half the threads wait for flushes at a time.
+/// A warning when `image` is a sparse file that may still need more of the host's
+/// space than the host has free: birchfs fills an image's holes as it writes, and
+/// when the host runs out first, those writes fail.
+fn host_space_warning(image: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(image).ok()?;
+    if !md.file_type().is_file() {
+        return None;
+    }
+    let unallocated = md.len().saturating_sub(md.blocks().saturating_mul(512));
+    let free = host_free_bytes(image)?;
+    if unallocated <= free {
+        return None;
+    }
+    Some(format!(
+        "{} may still take {} MiB of its host's space, but the host has {} MiB free: \
+         if the host fills up first, birchfs's writes to the image fail and it takes no \
+         more changes until it is mounted again (what was not fsynced by then is lost); \
+         free space on the host, or make the image with `birchfs mkfs --preallocate`",
+        image.display(),
+        unallocated >> 20,
+        free >> 20
+    ))
+}
+
+/// Bytes this process may still write on the filesystem that holds `path` (root may
+/// use the blocks reserved for it).
+fn host_free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs fills the zeroed struct from a valid C string's path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    // SAFETY: geteuid has no preconditions.
+    let blocks = if unsafe { libc::geteuid() } == 0 {
+        st.f_bfree
+    } else {
+        st.f_bavail
+    };
+    Some((blocks as u64).saturating_mul(st.f_frsize as u64))
+}
+
 fn uring_committers(threads: usize) -> usize {
     (threads / 2).max(1)
 }
