@@ -56,6 +56,8 @@ pub struct Stats {
     pub log_flushes_shared: AtomicU64,
     /// fsyncs the log could not serve, done as full commits.
     pub fallbacks: AtomicU64,
+    /// Commits the device refused for want of space, kept to be written with the next.
+    pub commits_deferred: AtomicU64,
     /// Times memory pressure lowered the size the page cache keeps to.
     pub memory_squeezes: AtomicU64,
     /// Copies of tree nodes shared with a snapshot (each adds a reference per child).
@@ -117,6 +119,7 @@ impl Stats {
             log_commits_overlapped: g(&self.log_commits_overlapped),
             log_flushes_shared: g(&self.log_flushes_shared),
             fallbacks: g(&self.fallbacks),
+            commits_deferred: g(&self.commits_deferred),
             memory_squeezes: g(&self.memory_squeezes),
             shared_cows: g(&self.shared_cows),
             uring_requests: g(&self.uring_requests),
@@ -190,6 +193,8 @@ pub struct StatsSnapshot {
     pub log_flushes_shared: u64,
     /// See [`Stats::fallbacks`].
     pub fallbacks: u64,
+    /// See [`Stats::commits_deferred`].
+    pub commits_deferred: u64,
     /// See [`Stats::memory_squeezes`].
     pub memory_squeezes: u64,
     /// See [`Stats::shared_cows`].
@@ -319,7 +324,7 @@ impl StatsSnapshot {
         format!(
             concat!(
                 "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"log_flushes_shared\":{},\"full_commits\":{},",
-                "\"fallbacks\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
+                "\"fallbacks\":{},\"commits_deferred\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"gather\":{{\"chosen\":{},\"declined\":{}}},",
@@ -333,6 +338,7 @@ impl StatsSnapshot {
             self.log_flushes_shared,
             self.commits,
             self.fallbacks,
+            self.commits_deferred,
             self.shared_cows,
             self.user_bytes,
             self.dev_data_bytes,
@@ -390,6 +396,11 @@ impl StatsSnapshot {
         );
         row(&mut s, "full commits", self.commits.to_string());
         row(&mut s, "log fallbacks", self.fallbacks.to_string());
+        row(
+            &mut s,
+            "commits deferred (no room)",
+            self.commits_deferred.to_string(),
+        );
         row(
             &mut s,
             "gathering measured",

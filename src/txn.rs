@@ -77,6 +77,12 @@ pub(crate) struct Store {
     pub(crate) log: LogBuffer,
     /// Set when a commit failed: the trees in memory are ahead of the disk for good.
     pub(crate) failed: bool,
+    /// A prepared commit whose nodes the device refused for want of space (a full
+    /// host under a sparse image): the disk still holds the commit before it, and the
+    /// next commit writes these nodes with its own (see [`CommitBatch::absorb`]).
+    pub(crate) unwritten: Option<CommitBatch>,
+    /// When the device last refused a commit for want of space.
+    pub(crate) refused_at: std::time::Instant,
     /// The next commit writes a superblock even if nothing else changed.
     pub(crate) must_commit: bool,
     /// Live snapshots by tree id.
@@ -113,6 +119,32 @@ impl CommitBatch {
     pub(crate) fn pinned(&self) -> &[(u64, u64)] {
         &self.pinned
     }
+
+    /// Takes in `earlier`, a commit prepared before this one that never reached the
+    /// disk: its nodes are written first, and what it freed is released with this
+    /// one. Sound because nothing `earlier` wrote or freed was handed out since (a
+    /// node it wrote and this commit copied again is pinned until this one is
+    /// durable, so rewriting it harms nothing), and this commit's trees may still
+    /// point at its nodes.
+    pub(crate) fn absorb(&mut self, earlier: CommitBatch) {
+        let mut nodes = earlier.nodes;
+        nodes.append(&mut self.nodes);
+        self.nodes = nodes;
+        self.pinned.extend(earlier.pinned);
+    }
+}
+
+/// A commit that failed: why, and whether the disk still holds the commit before it
+/// untouched by a flush, so that writing it again later is sound.
+#[derive(Debug)]
+pub(crate) struct CommitFailure {
+    /// The device's error.
+    pub(crate) error: Error,
+    /// The device refused a node write for want of space before anything was
+    /// flushed: the nodes (kept in memory) can be written again once there is room.
+    /// After a failed flush nothing may be retried: the host may have dropped what
+    /// it failed to write (its page cache marks such pages clean).
+    pub(crate) retryable: bool,
 }
 
 fn random_fsid() -> [u8; 16] {
@@ -238,6 +270,8 @@ impl Store {
             readonly: false,
             log: LogBuffer::new(0, 0),
             failed: false,
+            unwritten: None,
+            refused_at: std::time::Instant::now(),
             must_commit: false,
             snapshots: BTreeMap::new(),
             pending_snapshots: Vec::new(),
@@ -685,7 +719,7 @@ impl Store {
         dev: &dyn BlockDev,
         stats: &Stats,
         batch: &CommitBatch,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), CommitFailure> {
         // Coalesce nodes at consecutive addresses into one write; the device gets
         // them all at once.
         let mut runs: Vec<(u64, crate::dev::AlignedBuf)> = Vec::new();
@@ -705,15 +739,22 @@ impl Store {
             }
         }
         let writes: Vec<(&[u8], u64)> = runs.iter().map(|(a, b)| (&b[..], *a)).collect();
-        dev.write_many(&writes)?;
+        let fatal = |e: std::io::Error| CommitFailure {
+            error: e.into(),
+            retryable: false,
+        };
+        dev.write_many(&writes).map_err(|e| CommitFailure {
+            retryable: matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)),
+            error: e.into(),
+        })?;
         let bytes: usize = runs.iter().map(|(_, b)| b.len()).sum();
         Stats::add(&stats.dev_meta_bytes, bytes as u64);
-        dev.flush()?;
+        dev.flush().map_err(fatal)?;
         for (off, buf) in &batch.supers {
-            dev.write_at(buf, *off)?;
+            dev.write_at(buf, *off).map_err(fatal)?;
             Stats::add(&stats.dev_super_bytes, buf.len() as u64);
         }
-        dev.flush()?;
+        dev.flush().map_err(fatal)?;
         Stats::add(&stats.flushes, 2);
         Stats::add(&stats.commits, 1);
         Ok(())

@@ -19,7 +19,7 @@ use birchfs::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 enum Op {
     Create(String),
     Mkdir(String),
@@ -48,6 +48,10 @@ enum Op {
     /// FITRIM of the whole device: its discards are writes a power cut may or may not
     /// have let through.
     Trim,
+    /// The host under the image fills up (`true`: every write past the log area fails
+    /// with ENOSPC, as into the holes of a sparse image) or has room again (`false`).
+    /// While it is full, fsyncs and syncs may fail, and then promise nothing.
+    NoRoom(bool),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -124,7 +128,7 @@ impl Model {
                 .names
                 .get(p)
                 .is_some_and(|id| self.nodes[id].xattrs.contains_key(*n)),
-            Op::Sync | Op::Trim => true,
+            Op::Sync | Op::Trim | Op::NoRoom(_) => true,
             Op::Snapshot(n) => !self.snaps.contains_key(n),
             Op::DeleteSnapshot(n) => self.snaps.contains_key(n),
         }
@@ -216,7 +220,7 @@ impl Model {
                     .remove(*n);
             }
             Op::Chmod(p, m) => self.nodes.get_mut(&self.names[p]).unwrap().mode = *m,
-            Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync | Op::Trim => {}
+            Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync | Op::Trim | Op::NoRoom(_) => {}
             Op::Snapshot(n) => {
                 let frozen = Model {
                     snaps: BTreeMap::new(),
@@ -349,12 +353,10 @@ fn exec(fs: &Fs, op: &Op) {
             )
             .unwrap();
         }
-        Op::Fsync(p) => fs.fsync(ino(p), false).unwrap(),
-        Op::Fdatasync(p) => fs.fsync(ino(p), true).unwrap(),
-        Op::Sync => fs.commit().unwrap(),
-        Op::Trim => {
-            fs.trim(0, u64::MAX, 0).unwrap();
+        Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync | Op::Trim => {
+            sync(fs, op).unwrap_or_else(|e| panic!("{op:?}: {e}"))
         }
+        Op::NoRoom(_) => {}
         Op::Snapshot(n) => {
             fs.snapshot_create(n.as_bytes()).unwrap();
         }
@@ -376,6 +378,29 @@ fn base_image() -> Vec<u8> {
     )
     .unwrap();
     dev.image()
+}
+
+/// Runs an fsync, fdatasync, sync or trim `op`, which may fail while the host is full.
+fn sync(fs: &Fs, op: &Op) -> birchfs::Result<()> {
+    let ino = |p: &str| fs.resolve(p).map(|a| a.ino);
+    match op {
+        Op::Fsync(p) => fs.fsync(ino(p)?, false),
+        Op::Fdatasync(p) => fs.fsync(ino(p)?, true),
+        Op::Sync => fs.commit(),
+        Op::Trim => fs.trim(0, u64::MAX, 0).map(|_| ()),
+        _ => unreachable!("not a sync: {op:?}"),
+    }
+}
+
+/// Where the log area of `image` ends: writes past it go into holes of a sparse image.
+fn past_log(image: &[u8]) -> u64 {
+    let at = birchfs::format::SUPER_OFFSETS[0];
+    let sb = birchfs::format::Superblock::decode(
+        &image[at as usize..at as usize + birchfs::format::SUPER_SIZE],
+        at,
+    )
+    .unwrap();
+    sb.log_start + sb.log_len
 }
 
 /// Runs `ops` on a crash-recording device; returns the device and the record.
@@ -402,8 +427,24 @@ fn record_with(base: &[u8], ops: Vec<Op>, discard: Option<u64>) -> (Arc<CrashDev
         history: Vec::new(),
         promises: Vec::new(),
     };
+    let mut full = false;
     for (i, op) in ops.iter().enumerate() {
-        exec(&fs, op);
+        match op {
+            Op::NoRoom(on) => {
+                full = *on;
+                dev.refuse_writes_from(on.then(|| past_log(base)));
+            }
+            Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync | Op::Trim if full => {
+                if let Err(e) = sync(&fs, op) {
+                    // For want of room, never a failure that would stop all changes.
+                    assert_eq!(e.errno(), libc::ENOSPC, "{op:?}: {e}");
+                    m.apply(op);
+                    run.history.push(m.clone());
+                    continue;
+                }
+            }
+            _ => exec(&fs, op),
+        }
         m.apply(op);
         if let Op::Fsync(p) | Op::Fdatasync(p) = op {
             let id = m.names[p];
@@ -424,6 +465,16 @@ fn record_with(base: &[u8], ops: Vec<Op>, discard: Option<u64>) -> (Arc<CrashDev
                 .push((dev.op_count(), i, Promise::Snapshot { name }));
         }
         run.history.push(m.clone());
+    }
+    if ops.contains(&Op::Sync) && ops.contains(&Op::NoRoom(true)) {
+        let i = ops.iter().position(|o| *o == Op::NoRoom(true)).unwrap();
+        if ops[i..]
+            .iter()
+            .take_while(|o| **o != Op::NoRoom(false))
+            .any(|o| *o == Op::Sync)
+        {
+            assert!(fs.stats().commits_deferred > 0, "no commit was refused");
+        }
     }
     drop(fs);
     (dev, run)
@@ -1078,6 +1129,31 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "the host fills up: the refused commit is kept, fsyncs fail, then all lands",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Write(s("/d/a"), 0, 30_000, 51),
+                Fsync(s("/d/a")),
+                NoRoom(true),
+                Create(s("/b")),
+                Write(s("/b"), 0, 20_000, 52),
+                Rename(s("/d/a"), s("/d/c")),
+                Sync,
+                Fsync(s("/d")),
+                Create(s("/e")),
+                SetXattr(s("/e"), "user.k", vec![7; 3000]),
+                Fsync(s("/e")),
+                NoRoom(false),
+                Fsync(s("/b")),
+                Write(s("/b"), 4096, 100, 53),
+                Fdatasync(s("/b")),
+                Unlink(s("/e")),
+                Fsync(s("/")),
+                Sync,
+            ],
+        ),
+        (
             "large overwrite",
             vec![
                 Create(s("/f")),
@@ -1141,13 +1217,25 @@ fn generated_sequences_survive_every_power_cut() {
         for op in &ops {
             m.apply(op);
         }
+        // Every third sequence runs out of room on the host for some of its steps
+        // (only operations that need no device write of their own run then).
+        let full_from = (seq % 3 == 2).then(|| rng.gen_range(0..3));
+        let mut full = false;
         let mut tries = 0;
         let mut added = 0;
         while added < rng.gen_range(1..=4) && tries < 100 {
             tries += 1;
+            if !full && full_from == Some(added) {
+                ops.push(Op::NoRoom(true));
+                full = true;
+            }
             let f = s(files[rng.gen_range(0..files.len())]);
             let g = s(files[rng.gen_range(0..files.len())]);
-            let op = match rng.gen_range(0..14) {
+            let kind = rng.gen_range(0..14);
+            if full && (6..=12).contains(&kind) && kind != 7 {
+                continue;
+            }
+            let op = match kind {
                 0 => Op::Create(f),
                 1 => Op::Write(
                     f,
@@ -1206,6 +1294,14 @@ fn generated_sequences_survive_every_power_cut() {
                 });
                 added += 1;
             }
+        }
+        if full {
+            // Room again: everything kept is written, and fsyncs use the log again.
+            ops.push(Op::NoRoom(false));
+            ops.push(Op::Fsync(s("/")));
+            ops.push(Op::Create(s("/z")));
+            ops.push(Op::Write(s("/z"), 0, 5000, 99));
+            ops.push(Op::Fsync(s("/z")));
         }
         // Every other sequence discards every run its commits free (`discard=4K`).
         let (dev, run) = record_with(&base, ops, (seq % 2 == 1).then_some(4096));

@@ -305,9 +305,10 @@ fn host_space_warning(image: &Path) -> Option<String> {
     }
     Some(format!(
         "{} may still take {} MiB of its host's space, but the host has {} MiB free: \
-         if the host fills up first, birchfs's writes to the image fail and it takes no \
-         more changes until it is mounted again (what was not fsynced by then is lost); \
-         free space on the host, or make the image with `birchfs mkfs --preallocate`",
+         if the host fills up first, writes and fsyncs fail with ENOSPC, and what birchfs \
+         could not write waits in memory until space is freed on the host (then \
+         `birchfs sync` writes it; a crash or an unmount before that loses it); \
+         `birchfs mkfs --preallocate` makes an image that cannot run out this way",
         image.display(),
         unallocated >> 20,
         free >> 20

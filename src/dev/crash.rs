@@ -36,6 +36,9 @@ struct Inner {
     /// For each flush, in the order of `ops`: how many ops came before it began.
     covers: Vec<usize>,
     fail_after: Option<usize>,
+    /// Writes reaching bytes from here on fail with ENOSPC (see
+    /// [`CrashDev::refuse_writes_from`]).
+    no_room_from: Option<u64>,
 }
 
 /// A memory device that records every write and flush since it was made.
@@ -57,6 +60,7 @@ impl CrashDev {
                 ops: Vec::new(),
                 covers: Vec::new(),
                 fail_after: None,
+                no_room_from: None,
             }),
             flush_delay_us: std::sync::atomic::AtomicU64::new(0),
         }
@@ -85,6 +89,12 @@ impl CrashDev {
     pub fn fail_after(&self, n: usize) {
         let mut g = self.inner.lock();
         g.fail_after = Some(g.ops.len() + n);
+    }
+
+    /// Makes writes that reach bytes at `off` or past it fail with ENOSPC, unrecorded,
+    /// as the holes of a sparse image do once its host is full (`None`: room again).
+    pub fn refuse_writes_from(&self, off: Option<u64>) {
+        self.inner.lock().no_room_from = off;
     }
 
     /// The disk as it is now, as if every write had landed.
@@ -151,6 +161,11 @@ impl BlockDev for CrashDev {
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
         let mut g = self.inner.lock();
         Self::check_fail(&g)?;
+        if g.no_room_from
+            .is_some_and(|from| off + buf.len() as u64 > from)
+        {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
         let o = check_range(buf.len(), off, g.live.len())?;
         g.live[o..o + buf.len()].copy_from_slice(buf);
         g.ops.push(CrashOp::Write {

@@ -274,6 +274,10 @@ const REFS_RUN_AT: usize = 4096;
 /// How many an operation runs then (a few milliseconds).
 const REFS_RUN_CHUNK: usize = 256;
 
+/// How long after a commit the device refused for want of space the commits that
+/// operations start themselves (a large or short-of-room transaction) wait.
+const REFUSED_COMMIT_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Empty files a 4 KiB block of tree space holds, about: an inode item, a name in the
 /// directory's two indexes and the inode's back reference, with nodes two-thirds
 /// full (20,000 empty files took 577 bytes each). statfs's free inodes are the
@@ -297,7 +301,7 @@ impl Fs {
         };
         inner.make_root_dir(opts.root_owner)?;
         let batch = inner.store.prepare_commit(false)?;
-        Store::write_commit(dev.as_ref(), &inner.store.stats, &batch)?;
+        Store::write_commit(dev.as_ref(), &inner.store.stats, &batch).map_err(|f| f.error)?;
         Ok(())
     }
 
@@ -447,10 +451,27 @@ impl Fs {
                 let _ = g.store.run_some_delayed_refs(REFS_RUN_CHUNK);
             }
             let short = g.store.short_of_room();
-            (r, g.store.dirty_nodes() > DIRTY_COMMIT_NODES || short)
+            // After a commit the device refused for want of space, these commits wait
+            // a while: each would write everything kept since, to be refused again.
+            let waiting = g
+                .store
+                .unwritten
+                .as_ref()
+                .is_some_and(|_| g.store.refused_at.elapsed() < REFUSED_COMMIT_PAUSE);
+            (
+                r,
+                (g.store.dirty_nodes() > DIRTY_COMMIT_NODES || short) && !waiting,
+            )
         };
         if big {
-            self.commit_tree()?;
+            match self.commit_tree() {
+                // The operation is done (in memory, as any before a commit): it
+                // succeeded; the commit is kept for the next try.
+                Err(e) if r.is_ok() && !self.inner.lock().store.failed => {
+                    tracing::debug!("commit after an operation deferred: {e}");
+                }
+                c => c?,
+            }
         }
         r
     }
@@ -473,16 +494,39 @@ impl Fs {
     /// it is written: the log's last batch of this generation is written first, and
     /// the next generation's batches follow it (see `log`); otherwise (or when that
     /// batch does not fit or fails) no batch is written until the commit is durable.
+    ///
+    /// When the device refuses the commit's nodes for want of space (a full host under
+    /// a sparse image), nothing has changed on the disk: the commit is kept and written
+    /// with the next one, which does not chain (the log replays only one generation past
+    /// the last durable commit), and until one lands every fsync commits (the log
+    /// takes no batch), so none is answered on records a crash could not replay.
     fn commit_locked(&self, chain: bool) -> Result<()> {
         let t0 = std::time::Instant::now();
         let log_guard = self.log_lock.lock();
         let (mut batch, log_start) = {
             let mut g = self.inner.lock();
             g.flush_all_pending()?;
-            if !g.store.has_changes() {
-                return Ok(());
-            }
-            (g.store.prepare_commit(chain)?, g.store.sb.log_start)
+            let earlier = g.store.unwritten.take();
+            let batch = match earlier {
+                None if !g.store.has_changes() => return Ok(()),
+                Some(earlier) if !g.store.has_changes() => earlier,
+                earlier => {
+                    let chain = chain && earlier.is_none();
+                    match g.store.prepare_commit(chain) {
+                        Ok(mut b) => {
+                            if let Some(e) = earlier {
+                                b.absorb(e);
+                            }
+                            b
+                        }
+                        Err(e) => {
+                            g.store.unwritten = earlier;
+                            return Err(e);
+                        }
+                    }
+                }
+            };
+            (batch, g.store.sb.log_start)
         };
         let log_guard = match batch.closing.take() {
             Some(c) => match self.write_batch(log_start, &c) {
@@ -499,10 +543,23 @@ impl Fs {
             },
             None => Some(log_guard),
         };
-        if let Err(e) = Store::write_commit(self.dev.as_ref(), &self.stats, &batch) {
-            tracing::error!("commit failed, refusing further changes: {e}");
-            self.inner.lock().store.failed = true;
-            return Err(e);
+        if let Err(f) = Store::write_commit(self.dev.as_ref(), &self.stats, &batch) {
+            let mut g = self.inner.lock();
+            if f.retryable {
+                tracing::error!(
+                    "commit failed: {}; it is kept in memory and written with the next \
+                     commit, and fsyncs commit until one lands",
+                    f.error
+                );
+                g.store.unwritten = Some(batch);
+                g.store.refused_at = std::time::Instant::now();
+                g.store.log.overflow = true;
+                Stats::add(&self.stats.commits_deferred, 1);
+            } else {
+                tracing::error!("commit failed, refusing further changes: {}", f.error);
+                g.store.failed = true;
+            }
+            return Err(f.error);
         }
         if let Some(min_len) = self.opts.discard {
             // Still pinned: nothing can be handed these ranges until finish_commit.

@@ -1619,3 +1619,167 @@ fn an_fsync_waiting_on_a_failed_flush_flushes_itself() {
     assert!(t.join().unwrap().is_err());
     assert_eq!(fs.stats().log_flushes_shared, 0);
 }
+
+/// A commit the device refuses for want of space (a full host under a sparse image)
+/// changes nothing on the disk and loses nothing: the commit is kept, the mount goes
+/// on taking changes, fsyncs commit (and fail) until there is room, and then one
+/// commit writes it all. A crash at any flush point on the way leaves every fsync
+/// answered before it, and a clean image.
+#[test]
+fn a_commit_refused_for_want_of_space_is_written_with_the_next() {
+    let (mem, fs) = mk(64 * MB);
+    fs.unmount().unwrap();
+    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let past_log = {
+        let g = fs.inner.lock();
+        g.store.sb.log_start + g.store.sb.log_len
+    };
+    let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap();
+    fs.write(a.ino, 0, &pattern(3 * MB as usize, 1)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    let a_acked = dev.op_count();
+
+    // The host fills up: only the (preallocated) log area still takes writes.
+    dev.refuse_writes_from(Some(past_log));
+    let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap();
+    fs.write(b.ino, 0, &pattern(MB as usize, 2)).unwrap();
+    fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
+    let e = fs.commit().unwrap_err();
+    assert!(
+        matches!(&e, Error::Io(io) if io.raw_os_error() == Some(libc::ENOSPC)),
+        "{e}"
+    );
+    assert_eq!(fs.stats().commits_deferred, 1);
+    // Still taking changes, and everything reads back.
+    let c = fs.mknod(ROOT_INO, b"c", 0o644, 0, cr()).unwrap();
+    fs.write(c.ino, 0, b"small").unwrap();
+    fs.rename(ROOT_INO, b"d", ROOT_INO, b"dir", RenameFlags::default())
+        .unwrap();
+    assert!(fs.fsync(b.ino, false).is_err(), "fsynced with no room");
+    assert!(fs.fsync(c.ino, false).is_err(), "fsynced with no room");
+    // An fsync with no data to write (the directory's rename) may not go through the
+    // log either: it commits, and that fails again.
+    let fallbacks = fs.stats().fallbacks;
+    assert!(fs.fsync(ROOT_INO, false).is_err(), "fsynced with no room");
+    assert_eq!(fs.stats().commits_deferred, 2);
+    assert_eq!(fs.stats().fallbacks, fallbacks + 1);
+    assert_eq!(read_all(&fs, a.ino), pattern(3 * MB as usize, 1));
+    assert_eq!(read_all(&fs, b.ino), pattern(MB as usize, 2));
+
+    // Room again: the next fsync commits everything, and so does unmount.
+    dev.refuse_writes_from(None);
+    fs.fsync(c.ino, false).unwrap();
+    let all_acked = dev.op_count();
+    fs.write(b.ino, MB, &pattern(4096, 3)).unwrap();
+    fs.commit().unwrap();
+
+    let mut b_after = pattern(MB as usize, 2);
+    b_after.extend(pattern(4096, 3));
+    let points = dev.flush_points();
+    assert!(points.len() > 4, "flush points: {points:?}");
+    for p in points.into_iter().filter(|&p| p >= a_acked) {
+        let img = Arc::new(MemDev::from_image(dev.image_with(p, &[])));
+        let fs2 = Fs::open(img.clone(), Options::default())
+            .unwrap_or_else(|e| panic!("crash after op {p}: {e}"));
+        let a2 = fs2.lookup(ROOT_INO, b"a").unwrap();
+        assert_eq!(
+            read_all(&fs2, a2.ino),
+            pattern(3 * MB as usize, 1),
+            "op {p}"
+        );
+        if p >= all_acked {
+            let b2 = fs2.lookup(ROOT_INO, b"b").unwrap();
+            let got = read_all(&fs2, b2.ino);
+            // b's own fsync failed: its data (still cached then) need not be there.
+            assert!(
+                got.is_empty() || got == pattern(MB as usize, 2) || got == b_after,
+                "crash after op {p}: b has {} bytes",
+                got.len()
+            );
+            let c2 = fs2.lookup(ROOT_INO, b"c").unwrap();
+            assert_eq!(read_all(&fs2, c2.ino), b"small", "op {p}");
+            assert!(fs2.lookup(ROOT_INO, b"dir").is_ok(), "op {p}");
+        }
+        assert_eq!(
+            problems_after_unmount(&img, fs2),
+            Vec::<String>::new(),
+            "crash after op {p}"
+        );
+    }
+    fs.unmount().unwrap();
+    let img = Arc::new(MemDev::from_image(dev.live_image()));
+    let fs2 = Fs::open(img.clone(), Options::default()).unwrap();
+    let b2 = fs2.lookup(ROOT_INO, b"b").unwrap();
+    assert_eq!(read_all(&fs2, b2.ino), b_after);
+    assert_eq!(problems_after_unmount(&img, fs2), Vec::<String>::new());
+}
+
+/// The commit that writes a refused one does not let fsyncs go on through the log
+/// while it is written (a crash before its superblock would leave their batches two
+/// generations past the disk's commit, where replay does not look): an fsync made
+/// meanwhile waits for it, and a crash at any moment after that fsync returned keeps
+/// its file.
+#[test]
+fn fsyncs_wait_for_the_commit_that_writes_a_refused_one() {
+    let (mem, fs) = mk(64 * MB);
+    fs.unmount().unwrap();
+    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
+    let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
+    let past_log = {
+        let g = fs.inner.lock();
+        g.store.sb.log_start + g.store.sb.log_len
+    };
+    dev.refuse_writes_from(Some(past_log));
+    let x = fs.mknod(ROOT_INO, b"x", 0o644, 0, cr()).unwrap();
+    fs.write(x.ino, 0, &pattern(64 << 10, 1)).unwrap();
+    assert!(fs.commit().is_err());
+    assert_eq!(fs.stats().commits_deferred, 1);
+
+    dev.refuse_writes_from(None);
+    dev.set_flush_delay(std::time::Duration::from_millis(100));
+    let committer = {
+        let fs = fs.clone();
+        std::thread::spawn(move || fs.commit())
+    };
+    // While the commit's first flush runs: a new file, fsynced.
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    let y = fs.mknod(ROOT_INO, b"y", 0o644, 0, cr()).unwrap();
+    fs.write(y.ino, 0, b"fsynced while a refused commit was written")
+        .unwrap();
+    fs.fsync(y.ino, false).unwrap();
+    let acked = dev.op_count();
+    committer.join().unwrap().unwrap();
+    dev.set_flush_delay(std::time::Duration::ZERO);
+
+    // What is durable after each flush: every write before the latest start of a
+    // flush that has returned.
+    let mut durable = 0;
+    let mut states = Vec::new();
+    for (point, covers) in dev.flush_covers() {
+        durable = durable.max(covers);
+        states.push((point, durable));
+    }
+    let first = states
+        .iter()
+        .rposition(|&(point, _)| point <= acked)
+        .expect("the fsync flushed");
+    for &(point, upto) in &states[first..] {
+        let img = Arc::new(MemDev::from_image(dev.image_with(upto, &[])));
+        let fs2 = Fs::open(img.clone(), Options::default())
+            .unwrap_or_else(|e| panic!("crash after op {point}: {e}"));
+        let y2 = fs2
+            .lookup(ROOT_INO, b"y")
+            .unwrap_or_else(|e| panic!("crash after op {point}: y: {e}"));
+        assert_eq!(
+            read_all(&fs2, y2.ino),
+            b"fsynced while a refused commit was written",
+            "crash after op {point}"
+        );
+        assert_eq!(
+            problems_after_unmount(&img, fs2),
+            Vec::<String>::new(),
+            "crash after op {point}"
+        );
+    }
+}
