@@ -1561,13 +1561,26 @@ fn trim_is_refused_read_only() {
     assert!(matches!(ro.trim(0, u64::MAX, 0), Err(Error::ReadOnly)));
 }
 
+/// A fresh file system of `size` bytes, mounted on a crash-recording device.
+fn on_crash_dev(size: u64) -> (Arc<crate::dev::CrashDev>, Fs) {
+    let (mem, fs) = mk(size);
+    fs.unmount().unwrap();
+    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    (dev, fs)
+}
+
+/// Where `fs`'s log area ends: past it lie the blocks a sparse image has as holes.
+fn past_log(fs: &Fs) -> u64 {
+    let g = fs.inner.lock();
+    g.store.sb.log_start + g.store.sb.log_len
+}
+
 /// A file system on a crash-recording device whose flushes take `delay`, with two
 /// files whose fsyncs are logged (not yet written): their targets.
 fn two_logged_fsyncs(delay: std::time::Duration) -> (Arc<crate::dev::CrashDev>, Arc<Fs>, u64, u64) {
-    let (mem, fs) = mk(64 * MB);
-    fs.unmount().unwrap();
-    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
-    let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
+    let (dev, fs) = on_crash_dev(64 * MB);
+    let fs = Arc::new(fs);
     let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap();
     let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap();
     fs.write(a.ino, 0, &pattern(5000, 1)).unwrap();
@@ -1627,21 +1640,14 @@ fn an_fsync_waiting_on_a_failed_flush_flushes_itself() {
 /// answered before it, and a clean image.
 #[test]
 fn a_commit_refused_for_want_of_space_is_written_with_the_next() {
-    let (mem, fs) = mk(64 * MB);
-    fs.unmount().unwrap();
-    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
-    let past_log = {
-        let g = fs.inner.lock();
-        g.store.sb.log_start + g.store.sb.log_len
-    };
+    let (dev, fs) = on_crash_dev(64 * MB);
     let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap();
     fs.write(a.ino, 0, &pattern(3 * MB as usize, 1)).unwrap();
     fs.fsync(a.ino, false).unwrap();
     let a_acked = dev.op_count();
 
     // The host fills up: only the (preallocated) log area still takes writes.
-    dev.refuse_writes_from(Some(past_log));
+    dev.refuse_writes_from(Some(past_log(&fs)));
     let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap();
     fs.write(b.ino, 0, &pattern(MB as usize, 2)).unwrap();
     fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
@@ -1722,15 +1728,9 @@ fn a_commit_refused_for_want_of_space_is_written_with_the_next() {
 /// its file.
 #[test]
 fn fsyncs_wait_for_the_commit_that_writes_a_refused_one() {
-    let (mem, fs) = mk(64 * MB);
-    fs.unmount().unwrap();
-    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
-    let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
-    let past_log = {
-        let g = fs.inner.lock();
-        g.store.sb.log_start + g.store.sb.log_len
-    };
-    dev.refuse_writes_from(Some(past_log));
+    let (dev, fs) = on_crash_dev(64 * MB);
+    dev.refuse_writes_from(Some(past_log(&fs)));
+    let fs = Arc::new(fs);
     let x = fs.mknod(ROOT_INO, b"x", 0o644, 0, cr()).unwrap();
     fs.write(x.ino, 0, &pattern(64 << 10, 1)).unwrap();
     assert!(fs.commit().is_err());
