@@ -1232,7 +1232,8 @@ fn generated_sequences_survive_every_power_cut() {
             let f = s(files[rng.gen_range(0..files.len())]);
             let g = s(files[rng.gen_range(0..files.len())]);
             let kind = rng.gen_range(0..14);
-            if full && (6..=12).contains(&kind) && kind != 7 {
+            // (Truncating writes the file's cached data back first.)
+            if full && (kind == 2 || (6..=12).contains(&kind) && kind != 7) {
                 continue;
             }
             let op = match kind {
