@@ -86,7 +86,8 @@ enum Cmd {
         mountpoint: PathBuf,
     },
     /// Commit everything a mount holds now, as sync does on a kernel filesystem (which
-    /// sync(1) cannot ask of a FUSE daemon); exit 1 if that did not reach the disk
+    /// sync(1) cannot ask of a FUSE daemon); exit 1 if that did not reach the disk, 3
+    /// if the image's host had no room (birchfs keeps it: free space and sync again)
     Sync {
         /// The mountpoint
         mountpoint: PathBuf,
@@ -204,8 +205,9 @@ fn open_mount(dir: &Path) -> Result<std::fs::File> {
 }
 
 /// `birchfs sync`: the kernel's cached writes go to the daemon (syncfs), then the
-/// daemon commits ([`birchfs::fuse::BIRCHFS_IOC_SYNC`]).
-fn sync_cmd(mountpoint: &Path) -> Result<()> {
+/// daemon commits ([`birchfs::fuse::BIRCHFS_IOC_SYNC`]). Exit code 3: the host had no
+/// room for the commit (the daemon keeps it for the next).
+fn sync_cmd(mountpoint: &Path) -> Result<ExitCode> {
     use std::os::fd::AsRawFd;
     let d = open_mount(mountpoint)?;
     // SAFETY: syncfs on a valid fd owned by `d`.
@@ -231,14 +233,26 @@ fn sync_cmd(mountpoint: &Path) -> Result<()> {
                 mountpoint.display()
             );
         }
+        if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+            eprintln!(
+                "birchfs: the commit of {} failed: {e}; the image's host is out of room, \
+                 and birchfs keeps what it could not write until there is: free space \
+                 there, then sync again",
+                mountpoint.display()
+            );
+            return Ok(ExitCode::from(SYNC_NO_ROOM));
+        }
         bail!(
             "the commit of {} failed: {e}; what changed since its last commit is not on \
              disk (the daemon's log says why)",
             mountpoint.display()
         );
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
+
+/// Exit code of `birchfs sync` when the commit found no room on the image's host.
+pub(crate) const SYNC_NO_ROOM: u8 = 3;
 
 /// `birchfs trim`: FITRIM on a mount, [`Fs::trim`] on an unmounted image; the bytes
 /// discarded.
@@ -741,7 +755,7 @@ fn run() -> Result<ExitCode> {
         } => cli::umount::umount(&mountpoint, timeout.map(Duration::from_secs))?,
         Cmd::Sync { mountpoint } => {
             init_logging(None)?;
-            sync_cmd(&mountpoint)?;
+            return sync_cmd(&mountpoint);
         }
         Cmd::Stats {
             json,

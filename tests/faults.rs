@@ -349,8 +349,9 @@ impl Drop for SmallHost {
 
 /// A sparse image whose host has less room than the image may still take is mounted
 /// with a warning that says so. When the host then fills up, `birchfs sync` fails
-/// with ENOSPC and nothing is lost: once space is freed on the host, the next sync
-/// writes everything, and a preallocated image there mounts without the warning.
+/// with ENOSPC (exit code 3), `birchfs umount` leaves the mount in place, and nothing
+/// is lost: once space is freed on the host, the next sync writes everything, and a
+/// preallocated image there mounts without the warning.
 #[test]
 fn a_full_host_under_a_sparse_image_loses_nothing() {
     let mut m = Mount::bare();
@@ -376,7 +377,7 @@ fn a_full_host_under_a_sparse_image_loses_nothing() {
     fs::write(m.path("big"), &big).unwrap();
     let sync = |m: &Mount| birchfs([std::ffi::OsStr::new("sync"), m.root().as_os_str()]);
     let out = sync(&m);
-    assert!(!out.status.success(), "synced 160 MiB on a 96 MiB host");
+    assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("No space left"),
         "{}",
@@ -385,16 +386,28 @@ fn a_full_host_under_a_sparse_image_loses_nothing() {
     // Still taking changes, and everything reads back.
     fs::write(m.path("after"), b"small").unwrap();
     assert!(fs::read(m.path("big")).unwrap() == big, "big differs");
-    // Room on the host again: the next sync writes it all.
+    // `birchfs umount` does not unmount what it could not commit.
+    let out = m.birchfs_umount();
+    assert!(!out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("nothing was unmounted"),
+        "{}",
+        describe(&out)
+    );
+    assert!(is_mounted_at(m.root()), "unmounted with nowhere to write");
+    // Room on the host again: the next sync writes it all, and so would umount.
     host.resize("1200M");
     let out = sync(&m);
     assert!(out.status.success(), "{}", describe(&out));
-    m.unmount();
+    fs::write(m.path("last"), b"written by the unmount").unwrap();
+    let out = m.birchfs_umount();
+    assert!(out.status.success(), "{}", describe(&out));
     let out = m.check();
     assert!(out.status.success(), "{}", describe(&out));
     m.mount_with(&[]);
     assert_eq!(fs::read(m.path("keep")).unwrap(), b"fsynced");
     assert_eq!(fs::read(m.path("after")).unwrap(), b"small");
+    assert_eq!(fs::read(m.path("last")).unwrap(), b"written by the unmount");
     assert!(
         fs::read(m.path("big")).unwrap() == big,
         "big differs after the remount"

@@ -109,6 +109,16 @@ impl Daemon {
         Some(Daemon { pid, fd })
     }
 
+    /// Whether the process is stopped (SIGSTOP, a debugger): it answers nothing until
+    /// it runs again.
+    fn stopped(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).is_ok_and(|st| {
+            st.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    }
+
     /// Whether the process has exited (its pidfd polls readable).
     fn exited(&self) -> bool {
         use std::os::fd::AsRawFd;
@@ -119,6 +129,59 @@ impl Daemon {
         };
         // SAFETY: poll on one valid pollfd, without waiting.
         unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
+    }
+}
+
+/// Longest `birchfs umount` waits for the sync it runs first; past it, it unmounts and
+/// the daemon goes on with its last commit (a large cache takes a while to write).
+const SYNC_WAIT: Duration = Duration::from_secs(30);
+
+/// Runs `birchfs sync` on `mountpoint` for at most `wait`. Fails, so that nothing is
+/// unmounted, only when the commit found no room on the image's host: then nothing is
+/// lost yet, and freeing space there lets a second `birchfs umount` write everything.
+/// Other outcomes are told and the unmount goes on (its last commit reports the rest).
+fn sync_before_unmount(mountpoint: &Path, wait: Duration) -> Result<()> {
+    use std::io::Read;
+    let exe = std::env::current_exe().context("cannot find own executable")?;
+    let mut child = Command::new(exe)
+        .arg("sync")
+        .arg(mountpoint)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("cannot run birchfs sync")?;
+    let deadline = Instant::now() + wait;
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break Some(st);
+        }
+        if Instant::now() >= deadline {
+            // A sync that takes this long is a large cache being written: the daemon
+            // finishes it after the unmount. (A FUSE request's caller can be killed.)
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    let err = err.trim().trim_start_matches("birchfs: ");
+    match status.and_then(|s| s.code()) {
+        None | Some(0) => Ok(()),
+        Some(c) if c == i32::from(crate::SYNC_NO_ROOM) => bail!(
+            "{err}\nnothing was unmounted: free space on the image's host, then run \
+             `birchfs umount` again (`umount {}` unmounts at once, and loses what birchfs \
+             could not write)",
+            mountpoint.display()
+        ),
+        Some(_) => {
+            eprintln!("birchfs umount: {err}");
+            Ok(())
+        }
     }
 }
 
@@ -146,6 +209,13 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
         )
     })?;
     let daemon = Daemon::of(&file);
+    // Commit first, while nothing is lost if that fails for want of room on the host: the
+    // daemon would otherwise fail the same commit after the unmount, with no one to
+    // tell. A stopped daemon would keep the sync waiting; it is unmounted as before.
+    if daemon.as_ref().is_some_and(|d| !d.stopped()) {
+        let wait = timeout.map_or(SYNC_WAIT, |t| t.min(SYNC_WAIT));
+        sync_before_unmount(&abs, wait)?;
+    }
     let target = abs.as_os_str().as_bytes();
     let c = std::ffi::CString::new(target).context("mountpoint with a NUL byte")?;
     // SAFETY: umount2 on a valid C string.
