@@ -78,11 +78,10 @@ pub(crate) struct Store {
     /// Set when a commit failed: the trees in memory are ahead of the disk for good.
     pub(crate) failed: bool,
     /// A prepared commit whose nodes the device refused for want of space (a full
-    /// host under a sparse image): the disk still holds the commit before it, and the
-    /// next commit writes these nodes with its own (see [`CommitBatch::absorb`]).
-    pub(crate) unwritten: Option<CommitBatch>,
-    /// When the device last refused a commit for want of space.
-    pub(crate) refused_at: std::time::Instant,
+    /// host under a sparse image), and when: the disk still holds the commit before
+    /// it, and the next commit writes these nodes with its own (see
+    /// [`CommitBatch::absorb`]).
+    pub(crate) unwritten: Option<(CommitBatch, std::time::Instant)>,
     /// The next commit writes a superblock even if nothing else changed.
     pub(crate) must_commit: bool,
     /// Live snapshots by tree id.
@@ -271,7 +270,6 @@ impl Store {
             log: LogBuffer::new(0, 0),
             failed: false,
             unwritten: None,
-            refused_at: std::time::Instant::now(),
             must_commit: false,
             snapshots: BTreeMap::new(),
             pending_snapshots: Vec::new(),

@@ -287,8 +287,6 @@ fn mount_serve(
     Ok(())
 }
 
-/// How many group commits may run at once when `threads` serve the io_uring queues:
-/// half of them, so that at most half the threads wait for flushes at a time.
 /// A warning when `image` is a sparse file that may still need more of the host's
 /// space than the host has free: birchfs fills an image's holes as it writes, and
 /// when the host runs out first, those writes fail.
@@ -335,6 +333,8 @@ fn host_free_bytes(path: &Path) -> Option<u64> {
     Some((blocks as u64).saturating_mul(st.f_frsize as u64))
 }
 
+/// How many group commits may run at once when `threads` serve the io_uring queues:
+/// half of them, so that at most half the threads wait for flushes at a time.
 fn uring_committers(threads: usize) -> usize {
     (threads / 2).max(1)
 }

@@ -457,7 +457,7 @@ impl Fs {
                 .store
                 .unwritten
                 .as_ref()
-                .is_some_and(|_| g.store.refused_at.elapsed() < REFUSED_COMMIT_PAUSE);
+                .is_some_and(|(_, at)| at.elapsed() < REFUSED_COMMIT_PAUSE);
             (
                 r,
                 (g.store.dirty_nodes() > DIRTY_COMMIT_NODES || short) && !waiting,
@@ -509,12 +509,12 @@ impl Fs {
             let earlier = g.store.unwritten.take();
             let batch = match earlier {
                 None if !g.store.has_changes() => return Ok(()),
-                Some(earlier) if !g.store.has_changes() => earlier,
+                Some((earlier, _)) if !g.store.has_changes() => earlier,
                 earlier => {
                     let chain = chain && earlier.is_none();
                     match g.store.prepare_commit(chain) {
                         Ok(mut b) => {
-                            if let Some(e) = earlier {
+                            if let Some((e, _)) = earlier {
                                 b.absorb(e);
                             }
                             b
@@ -551,8 +551,7 @@ impl Fs {
                      commit, and fsyncs commit until one lands",
                     f.error
                 );
-                g.store.unwritten = Some(batch);
-                g.store.refused_at = std::time::Instant::now();
+                g.store.unwritten = Some((batch, std::time::Instant::now()));
                 g.store.log.overflow = true;
                 Stats::add(&self.stats.commits_deferred, 1);
             } else {
