@@ -1721,6 +1721,67 @@ fn a_commit_refused_for_want_of_space_is_written_with_the_next() {
     assert_eq!(problems_after_unmount(&img, fs2), Vec::<String>::new());
 }
 
+/// On a full disk an operation commits by itself to give back pinned space; when the
+/// host refuses that commit, the operation (done in memory) still succeeds, and what
+/// it did is written with the next commit once there is room.
+#[test]
+fn an_operation_whose_own_commit_is_refused_succeeds() {
+    let (dev, fs) = on_crash_dev(48 * MB);
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap().ino;
+    const N: u32 = 3000;
+    for n in 0..N {
+        fs.mknod(d, format!("f{n:05}").as_bytes(), 0o644, 0, cr())
+            .unwrap();
+    }
+    // Cached writes keep a margin for their tree changes until written back: fill
+    // again what is left after each commit.
+    let (big, mut off) = fill_with_cached_writes(&fs);
+    for _ in 0..3 {
+        fs.commit().unwrap();
+        while fs.write(big, off, &[7u8; 4096]).is_ok() {
+            off += 4096;
+        }
+    }
+    fs.commit().unwrap();
+    assert!(fs.statfs().bavail < 16, "{:?}", fs.statfs());
+
+    dev.refuse_writes_from(Some(past_log(&fs)));
+    let mut gone = 0;
+    while fs.stats().commits_deferred == 0 {
+        assert!(gone < N, "no commit of its own after {gone} deletions");
+        fs.unlink(d, format!("f{gone:05}").as_bytes())
+            .unwrap_or_else(|e| panic!("unlink {gone} with its commit refused: {e}"));
+        gone += 1;
+    }
+    assert_eq!(fs.stats().commits_deferred, 1);
+    // For a while after the refusal operations do not commit by themselves (each
+    // commit would write everything kept, to be refused again); they go on until
+    // the space they pin runs out.
+    let t0 = std::time::Instant::now();
+    for _ in 0..300 {
+        match fs.unlink(d, format!("f{gone:05}").as_bytes()) {
+            Ok(()) => gone += 1,
+            Err(e) if e.errno() == libc::ENOSPC => break,
+            Err(e) => panic!("unlink {gone} after a refused commit: {e}"),
+        }
+    }
+    if t0.elapsed() < REFUSED_COMMIT_PAUSE {
+        assert_eq!(fs.stats().commits_deferred, 1);
+    }
+    assert!(fs.lookup(d, b"f00000").is_err());
+
+    dev.refuse_writes_from(None);
+    fs.unmount().unwrap();
+    let img = Arc::new(MemDev::from_image(dev.live_image()));
+    let fs2 = Fs::open(img.clone(), Options::default()).unwrap();
+    for n in 0..N {
+        let there = fs2.lookup(d, format!("f{n:05}").as_bytes()).is_ok();
+        assert_eq!(there, n >= gone, "f{n:05} after {gone} deletions");
+    }
+    assert!(!read_all(&fs2, big).is_empty());
+    assert_eq!(problems_after_unmount(&img, fs2), Vec::<String>::new());
+}
+
 /// The commit that writes a refused one does not let fsyncs go on through the log
 /// while it is written (a crash before its superblock would leave their batches two
 /// generations past the disk's commit, where replay does not look): an fsync made
