@@ -210,14 +210,13 @@ fn open_mount(dir: &Path) -> Result<std::fs::File> {
 fn sync_cmd(mountpoint: &Path) -> Result<ExitCode> {
     use std::os::fd::AsRawFd;
     let d = open_mount(mountpoint)?;
-    // SAFETY: syncfs on a valid fd owned by `d`.
-    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
-        let e = std::io::Error::last_os_error();
-        bail!(
-            "cannot sync {}: the kernel's cached writes did not all reach birchfs: {e}",
-            mountpoint.display()
-        );
-    }
+    // A failed writeback here (the file system full) lost only its own pages: the
+    // commit of everything else still runs, and the failure is reported after it.
+    let lost = {
+        // SAFETY: syncfs on a valid fd owned by `d`.
+        let rc = unsafe { libc::syncfs(d.as_raw_fd()) };
+        (rc != 0).then(std::io::Error::last_os_error)
+    };
     // SAFETY: BIRCHFS_IOC_SYNC takes no argument.
     let rc = unsafe {
         libc::ioctl(
@@ -245,6 +244,13 @@ fn sync_cmd(mountpoint: &Path) -> Result<ExitCode> {
         bail!(
             "the commit of {} failed: {e}; what changed since its last commit is not on \
              disk (the daemon's log says why)",
+            mountpoint.display()
+        );
+    }
+    if let Some(e) = lost {
+        bail!(
+            "some of the kernel's cached writes to {} did not reach birchfs: {e}; the \
+             fsync of a file they belong to reports it; everything else is committed",
             mountpoint.display()
         );
     }

@@ -4017,6 +4017,41 @@ fn birchfs_sync_makes_what_a_mount_holds_durable() {
     m.unmount();
 }
 
+/// When the file system is full and some of the kernel's cached writes cannot reach
+/// birchfs, `birchfs sync` still commits the rest, and then fails naming the error:
+/// a file written before survives a kill -9 right after it.
+#[test]
+fn birchfs_sync_commits_the_rest_when_cached_writes_find_no_room() {
+    let mut m = Mount::with_size_and_options("64M", &["commit=0"]);
+    fs::write(m.path("keep"), b"written before the disk filled").unwrap();
+    // More than fits, cached by the kernel and written back as it goes: the last of
+    // it is still cached when the sync asks for it, and finds no room.
+    let mut f = File::create(m.path("big")).unwrap();
+    let chunk = vec![7u8; 1 << 20];
+    for _ in 0..96 {
+        if f.write_all(&chunk).is_err() {
+            break;
+        }
+    }
+    let out = birchfs(["sync".as_ref(), m.root().as_os_str()]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("did not reach birchfs") && said.contains("everything else is committed"),
+        "{}",
+        describe(&out)
+    );
+    drop(f);
+    m.kill_daemon();
+    m.mount();
+    assert_eq!(
+        fs::read(m.path("keep")).unwrap(),
+        b"written before the disk filled",
+        "the sync did not commit what did reach birchfs"
+    );
+    m.unmount();
+}
+
 /// `birchfs CMD DIR` fails, saying DIR is not a birchfs mountpoint.
 #[track_caller]
 fn refused_as_not_a_mount(cmd: &str, dir: &Path) {
