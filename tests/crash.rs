@@ -1171,10 +1171,23 @@ fn long() -> bool {
     std::env::var("BIRCHFS_LONG").is_ok()
 }
 
+/// The seed of a test's random choices: `n`, or `n` mixed with `BIRCHFS_SEED` when it
+/// is set (to explore other sequences and crash states than CI's).
+fn seed(n: u64) -> u64 {
+    match std::env::var("BIRCHFS_SEED") {
+        Ok(v) => {
+            let extra: u64 = v.parse().expect("BIRCHFS_SEED: an unsigned integer");
+            eprintln!("BIRCHFS_SEED={extra}");
+            n ^ extra.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        }
+        Err(_) => n,
+    }
+}
+
 #[test]
 fn known_hard_cases_survive_every_power_cut() {
     let base = base_image();
-    let mut rng = StdRng::seed_from_u64(1);
+    let mut rng = StdRng::seed_from_u64(seed(1));
     let per_gap = if long() { 24 } else { 6 };
     let mut total = 0;
     for (name, ops) in hard_cases() {
@@ -1200,7 +1213,7 @@ fn known_hard_cases_survive_every_power_cut() {
 #[test]
 fn generated_sequences_survive_every_power_cut() {
     let base = base_image();
-    let mut rng = StdRng::seed_from_u64(2);
+    let mut rng = StdRng::seed_from_u64(seed(2));
     let seqs = if long() { 400 } else { 40 };
     let per_gap = if long() { 8 } else { 3 };
     let files = ["/a", "/b", "/d/a", "/d/c"];
@@ -1353,7 +1366,7 @@ fn concurrent_fsyncs_survive_every_flush_point() {
             .map(|t| {
                 let (fs, dev, ino) = (fs.clone(), dev.clone(), inos[t]);
                 sc.spawn(move || {
-                    let mut rng = StdRng::seed_from_u64(t as u64 + 99);
+                    let mut rng = StdRng::seed_from_u64(seed(t as u64 + 99));
                     let mut data = Vec::new();
                     let mut versions = vec![Vec::new()];
                     let mut promises = Vec::new();
@@ -1728,7 +1741,7 @@ fn fsyncs_and_commits_together_survive_every_power_cut() {
             .map(|t| {
                 let (fs, dev, ino) = (fs.clone(), dev.clone(), inos[t]);
                 sc.spawn(move || {
-                    let mut rng = StdRng::seed_from_u64(t as u64 + 7);
+                    let mut rng = StdRng::seed_from_u64(seed(t as u64 + 7));
                     let mut data = Vec::new();
                     let mut versions = vec![Vec::new()];
                     let mut promises = Vec::new();
@@ -1785,7 +1798,7 @@ fn fsyncs_and_commits_together_survive_every_power_cut() {
         .filter(|&(p, _)| p > 0 && p >= start)
         .collect();
     assert!(points.len() >= rounds, "few flushes: {}", points.len());
-    let mut rng = StdRng::seed_from_u64(42);
+    let mut rng = StdRng::seed_from_u64(seed(42));
     for (i, (p, tail)) in points.into_iter().enumerate() {
         check_at(dev.image_with(p, &[]), p, &format!("flush point {p}"));
         if !tail.is_empty() {
@@ -1980,7 +1993,7 @@ fn whiteout_renames_and_acl_creates_are_whole_across_every_power_cut() {
     fs.fsync(d.ino, false).unwrap();
     let promised = dev.op_count();
     drop(fs);
-    let mut rng = StdRng::seed_from_u64(26);
+    let mut rng = StdRng::seed_from_u64(seed(26));
     let mut n = 0;
     for (b, img) in cut_images(&dev, &mut rng) {
         if b < before {
