@@ -201,6 +201,8 @@ impl Model {
             Op::Unlink(p) | Op::Rmdir(p) => {
                 self.names.remove(p);
             }
+            // Onto another link of the same file, rename does nothing (POSIX).
+            Op::Rename(a, b) if self.names.get(b) == self.names.get(a) => {}
             Op::Rename(a, b) => {
                 let id = self.names.remove(a).unwrap();
                 self.names.insert(b.clone(), id);
@@ -1125,6 +1127,23 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
                 Sync,
                 Truncate(s("/a"), 11067),
                 Fdatasync(s("/a")),
+            ],
+        ),
+        (
+            "rename onto another link of the same file does nothing",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/a")),
+                Write(s("/a"), 0, 6000, 1),
+                Sync,
+                Link(s("/a"), s("/d/a")),
+                Fsync(s("/d/a")),
+                Rename(s("/a"), s("/d/a")),
+                Fsync(s("/d/a")),
+                Fsync(s("/")),
+                Create(s("/z")),
+                Write(s("/z"), 0, 5000, 99),
+                Fsync(s("/z")),
             ],
         ),
         (
