@@ -86,8 +86,9 @@ enum Cmd {
         mountpoint: PathBuf,
     },
     /// Commit everything a mount holds now, as sync does on a kernel filesystem (which
-    /// sync(1) cannot ask of a FUSE daemon); exit 1 if that did not reach the disk, 3
-    /// if the image's host had no room (birchfs keeps it: free space and sync again)
+    /// sync(1) cannot ask of a FUSE daemon); exit 1 if that did not reach the disk or
+    /// some of the kernel's cached writes found no room, 3 if the image's host had no
+    /// room (birchfs keeps it: free space and sync again)
     Sync {
         /// The mountpoint
         mountpoint: PathBuf,
