@@ -63,8 +63,8 @@ impl MountOpts {
     }
 }
 
-/// The `uring=` mount option (off by default: on 2 CPUs it measured slower than
-/// `/dev/fuse` for fsync-heavy work, see README).
+/// The `uring=` mount option (off by default: the kernel offers the queues only while
+/// fuse's `enable_uring` parameter, global to the machine, is on; see README).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum UringMode {
     /// Never: every request through read(2)/write(2) on /dev/fuse.
