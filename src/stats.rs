@@ -64,6 +64,8 @@ pub struct Stats {
     pub shared_cows: AtomicU64,
     /// FUSE requests that came through io_uring queues instead of `/dev/fuse`.
     pub uring_requests: AtomicU64,
+    /// FUSE requests served, per kind.
+    pub requests: RequestCounts,
     /// Measurements by the group commit that found gathering fsyncs pays.
     pub gather_chosen: AtomicU64,
     /// Measurements by the group commit that found it does not.
@@ -81,6 +83,130 @@ pub struct Stats {
     /// Time a group commit waited, before it took its group, for fsyncs still being
     /// prepared and for threads expected back (see `fuse::group`).
     pub fsync_gather_latency: Histogram,
+}
+
+/// Request kinds counted: every FUSE opcode below this.
+const REQUEST_KINDS: usize = 64;
+
+/// The names of the FUSE opcodes, as `birchfs stats` shows them (the kernel's
+/// `FUSE_*` names in lower case).
+const REQUEST_NAMES: [(u32, &str); 50] = [
+    (1, "lookup"),
+    (2, "forget"),
+    (3, "getattr"),
+    (4, "setattr"),
+    (5, "readlink"),
+    (6, "symlink"),
+    (8, "mknod"),
+    (9, "mkdir"),
+    (10, "unlink"),
+    (11, "rmdir"),
+    (12, "rename"),
+    (13, "link"),
+    (14, "open"),
+    (15, "read"),
+    (16, "write"),
+    (17, "statfs"),
+    (18, "release"),
+    (20, "fsync"),
+    (21, "setxattr"),
+    (22, "getxattr"),
+    (23, "listxattr"),
+    (24, "removexattr"),
+    (25, "flush"),
+    (26, "init"),
+    (27, "opendir"),
+    (28, "readdir"),
+    (29, "releasedir"),
+    (30, "fsyncdir"),
+    (31, "getlk"),
+    (32, "setlk"),
+    (33, "setlkw"),
+    (34, "access"),
+    (35, "create"),
+    (36, "interrupt"),
+    (37, "bmap"),
+    (38, "destroy"),
+    (39, "ioctl"),
+    (40, "poll"),
+    (41, "notify_reply"),
+    (42, "batch_forget"),
+    (43, "fallocate"),
+    (44, "readdirplus"),
+    (45, "rename2"),
+    (46, "lseek"),
+    (47, "copy_file_range"),
+    (48, "setupmapping"),
+    (49, "removemapping"),
+    (50, "syncfs"),
+    (51, "tmpfile"),
+    (52, "statx"),
+];
+
+/// The name of FUSE opcode `op` (`op<N>` for one without a name here).
+fn request_name(op: usize) -> String {
+    REQUEST_NAMES
+        .iter()
+        .find(|&&(o, _)| o as usize == op)
+        .map_or_else(|| format!("op{op}"), |&(_, n)| n.to_string())
+}
+
+/// FUSE requests served, per opcode.
+#[derive(Debug)]
+pub struct RequestCounts([AtomicU64; REQUEST_KINDS]);
+
+impl Default for RequestCounts {
+    fn default() -> Self {
+        RequestCounts(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
+impl RequestCounts {
+    /// Counts one request with FUSE opcode `op` (opcodes past the table go uncounted).
+    pub(crate) fn count(&self, op: u32) {
+        if let Some(c) = self.0.get(op as usize) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn snapshot(&self) -> RequestTally {
+        RequestTally(std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed)))
+    }
+}
+
+/// A copy of [`RequestCounts`] at one moment.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestTally([u64; REQUEST_KINDS]);
+
+impl Default for RequestTally {
+    fn default() -> Self {
+        RequestTally([0; REQUEST_KINDS])
+    }
+}
+
+impl RequestTally {
+    /// The kinds served at least once, by name, in opcode order, with their counts.
+    pub fn served(&self) -> Vec<(String, u64)> {
+        (0..REQUEST_KINDS)
+            .filter(|&op| self.0[op] > 0)
+            .map(|op| (request_name(op), self.0[op]))
+            .collect()
+    }
+
+    /// Requests with FUSE opcode `op` (0 for one past the table).
+    pub fn of(&self, op: u32) -> u64 {
+        self.0.get(op as usize).copied().unwrap_or(0)
+    }
+
+    /// The JSON object of [`RequestTally::served`].
+    fn json(&self) -> String {
+        let fields: Vec<String> = self
+            .served()
+            .into_iter()
+            .map(|(name, n)| format!("\"{name}\":{n}"))
+            .collect();
+        format!("{{{}}}", fields.join(","))
+    }
 }
 
 impl Stats {
@@ -123,6 +249,7 @@ impl Stats {
             memory_squeezes: g(&self.memory_squeezes),
             shared_cows: g(&self.shared_cows),
             uring_requests: g(&self.uring_requests),
+            requests: self.requests.snapshot(),
             gather_chosen: g(&self.gather_chosen),
             gather_declined: g(&self.gather_declined),
             fsync_latency: self.fsync_latency.summary(),
@@ -201,6 +328,8 @@ pub struct StatsSnapshot {
     pub shared_cows: u64,
     /// See [`Stats::uring_requests`].
     pub uring_requests: u64,
+    /// See [`Stats::requests`].
+    pub requests: RequestTally,
     /// See [`Stats::gather_chosen`].
     pub gather_chosen: u64,
     /// See [`Stats::gather_declined`].
@@ -327,7 +456,7 @@ impl StatsSnapshot {
                 "\"fallbacks\":{},\"commits_deferred\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
-                "\"gather\":{{\"chosen\":{},\"declined\":{}}},",
+                "\"requests\":{},\"gather\":{{\"chosen\":{},\"declined\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
             self.fsyncs,
@@ -362,6 +491,7 @@ impl StatsSnapshot {
             self.memory_squeezes,
             self.flushes,
             self.uring_requests,
+            self.requests.json(),
             self.gather_chosen,
             self.gather_declined,
             self.fsync_latency.json(),
@@ -475,6 +605,9 @@ impl StatsSnapshot {
             "requests via io_uring",
             self.uring_requests.to_string(),
         );
+        for (name, n) in self.requests.served() {
+            row(&mut s, &format!("requests: {name}"), n.to_string());
+        }
         row(&mut s, "page cache bytes", self.cache_bytes.to_string());
         row(
             &mut s,
@@ -511,6 +644,34 @@ impl StatsSnapshot {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// Requests are counted per opcode and shown by name, only the kinds served; an
+    /// opcode past the table is not counted, and one without a name shows its number.
+    #[test]
+    fn requests_are_counted_and_named_by_kind() {
+        let st = Stats::default();
+        for op in [35, 35, 20, 53, 500] {
+            st.requests.count(op);
+        }
+        let snap = st.snapshot();
+        assert_eq!(snap.requests.of(35), 2);
+        assert_eq!(snap.requests.of(500), 0);
+        assert_eq!(
+            snap.requests.served(),
+            [
+                ("fsync".to_string(), 1),
+                ("create".to_string(), 2),
+                ("op53".to_string(), 1)
+            ]
+        );
+        assert!(
+            snap.to_json()
+                .contains("\"requests\":{\"fsync\":1,\"create\":2,\"op53\":1},"),
+            "{}",
+            snap.to_json()
+        );
+        assert!(snap.to_text().contains("requests: create"));
+    }
 
     #[test]
     fn histogram_percentiles_fall_in_the_right_buckets() {

@@ -3987,6 +3987,40 @@ fn syncfs_succeeds_after_an_unlink() {
     }
 }
 
+/// `birchfs stats` counts the FUSE requests served, per kind: a create, an fsync, a
+/// rename and an unlink show up as one request each (also over io_uring, where they
+/// take another way in), the data as writes, and `birchfs stats` names them.
+#[test]
+fn stats_count_fuse_requests_by_kind() {
+    let m = Mount::new();
+    let kinds = ["create", "fsync", "rename", "unlink", "write", "lookup"];
+    let count = |kind: &str| daemon_stats(&m)["requests"][kind].as_u64().unwrap_or(0);
+    let before: Vec<u64> = kinds.iter().map(|k| count(k)).collect();
+    let mut f = File::create(m.path("a")).unwrap();
+    f.write_all(&[1; 4096]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    fs::rename(m.path("a"), m.path("b")).unwrap();
+    fs::remove_file(m.path("b")).unwrap();
+    let after: Vec<u64> = kinds.iter().map(|k| count(k)).collect();
+    let delta: BTreeMap<&str, u64> = kinds
+        .iter()
+        .zip(before.iter().zip(&after))
+        .map(|(k, (b, a))| (*k, a - b))
+        .collect();
+    for kind in ["create", "fsync", "rename", "unlink"] {
+        assert_eq!(delta[kind], 1, "{kind} requests: {delta:?}");
+    }
+    assert!(delta["write"] >= 1 && delta["lookup"] >= 1, "{delta:?}");
+    let out = birchfs(["stats".as_ref(), m.root().as_os_str()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("requests.create"),
+        "{}",
+        describe(&out)
+    );
+}
+
 /// `birchfs sync` makes what a mount holds durable at once: a file written and not
 /// fsynced, in a new directory, survives a kill -9 of the daemon right after it, where
 /// one written after it is lost (commit=0: no timer commits). A directory that is not

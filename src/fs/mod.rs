@@ -672,6 +672,11 @@ impl Fs {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);
     }
 
+    /// Counts a FUSE request with opcode `op`, by kind.
+    pub fn count_fuse_request(&self, op: u32) {
+        self.stats.requests.count(op);
+    }
+
     /// Makes every record up to `target` durable: one log batch, or a full commit when
     /// the log cannot take it.
     ///

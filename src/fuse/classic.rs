@@ -16,6 +16,7 @@ use fuser::{
     TimeOrNow, WriteFlags,
 };
 
+use super::abi;
 use super::ops::{Caller, FuseFs, SetAttrIn};
 
 /// The time the kernel sent, from fuser's decoding of it. fuser turns a time before
@@ -50,6 +51,7 @@ fn caller(req: &Request) -> Caller {
 
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        self.fs.count_fuse_request(abi::INIT);
         if config
             .capabilities()
             .contains(InitFlags::FUSE_WRITEBACK_CACHE)
@@ -99,18 +101,22 @@ impl Filesystem for FuseFs {
     }
 
     fn destroy(&mut self) {
+        self.fs.count_fuse_request(abi::DESTROY);
         FuseFs::destroy(self)
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.fs.count_fuse_request(abi::LOOKUP);
         FuseFs::lookup(self, parent.0, name.as_bytes(), reply)
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.count_fuse_request(abi::FORGET);
         FuseFs::forget(self, ino.0, nlookup)
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.fs.count_fuse_request(abi::GETATTR);
         FuseFs::getattr(self, ino.0, fh.map(|h| h.0), reply)
     }
 
@@ -132,6 +138,7 @@ impl Filesystem for FuseFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        self.fs.count_fuse_request(abi::SETATTR);
         let s = SetAttrIn {
             mode,
             uid,
@@ -145,6 +152,7 @@ impl Filesystem for FuseFs {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        self.fs.count_fuse_request(abi::READLINK);
         FuseFs::readlink(self, ino.0, reply)
     }
 
@@ -158,6 +166,7 @@ impl Filesystem for FuseFs {
         rdev: u32,
         reply: ReplyEntry,
     ) {
+        self.fs.count_fuse_request(abi::MKNOD);
         let c = caller(req);
         FuseFs::mknod(
             self,
@@ -180,6 +189,7 @@ impl Filesystem for FuseFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        self.fs.count_fuse_request(abi::MKDIR);
         FuseFs::mkdir(
             self,
             &caller(req),
@@ -192,10 +202,12 @@ impl Filesystem for FuseFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.fs.count_fuse_request(abi::UNLINK);
         FuseFs::unlink(self, parent.0, name.as_bytes(), reply)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.fs.count_fuse_request(abi::RMDIR);
         FuseFs::rmdir(self, parent.0, name.as_bytes(), reply)
     }
 
@@ -207,6 +219,7 @@ impl Filesystem for FuseFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        self.fs.count_fuse_request(abi::SYMLINK);
         let (name, target) = (link_name.as_bytes(), target.as_os_str().as_bytes());
         FuseFs::symlink(self, &caller(req), parent.0, name, target, reply)
     }
@@ -221,6 +234,12 @@ impl Filesystem for FuseFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let op = if flags.bits() != 0 {
+            abi::RENAME2
+        } else {
+            abi::RENAME
+        };
+        self.fs.count_fuse_request(op);
         let (name, newname) = (name.as_bytes(), newname.as_bytes());
         FuseFs::rename(
             self,
@@ -242,10 +261,12 @@ impl Filesystem for FuseFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        self.fs.count_fuse_request(abi::LINK);
         FuseFs::link(self, ino.0, newparent.0, newname.as_bytes(), reply)
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.fs.count_fuse_request(abi::OPEN);
         FuseFs::open(self, ino.0, flags.0, reply)
     }
 
@@ -260,6 +281,7 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        self.fs.count_fuse_request(abi::READ);
         FuseFs::read(self, ino.0, fh.0, offset, size, reply)
     }
 
@@ -275,6 +297,7 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        self.fs.count_fuse_request(abi::WRITE);
         FuseFs::write(self, &caller(req), ino.0, offset, data, write_flags, reply)
     }
 
@@ -286,6 +309,7 @@ impl Filesystem for FuseFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        self.fs.count_fuse_request(abi::FLUSH);
         FuseFs::flush(self, reply)
     }
 
@@ -299,6 +323,7 @@ impl Filesystem for FuseFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.fs.count_fuse_request(abi::RELEASE);
         FuseFs::release(self, ino.0, fh.0, flags.0, reply)
     }
 
@@ -310,10 +335,12 @@ impl Filesystem for FuseFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.fs.count_fuse_request(abi::FSYNC);
         FuseFs::fsync(self, req.pid(), ino.0, datasync, reply)
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        self.fs.count_fuse_request(abi::OPENDIR);
         FuseFs::opendir(self, ino.0, reply)
     }
 
@@ -325,6 +352,7 @@ impl Filesystem for FuseFs {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        self.fs.count_fuse_request(abi::RELEASEDIR);
         FuseFs::releasedir(self, ino.0, fh.0, reply)
     }
 
@@ -336,6 +364,7 @@ impl Filesystem for FuseFs {
         offset: u64,
         reply: ReplyDirectory,
     ) {
+        self.fs.count_fuse_request(abi::READDIR);
         FuseFs::readdir(self, ino.0, fh.0, offset, reply)
     }
 
@@ -347,6 +376,7 @@ impl Filesystem for FuseFs {
         offset: u64,
         reply: ReplyDirectoryPlus,
     ) {
+        self.fs.count_fuse_request(abi::READDIRPLUS);
         FuseFs::readdirplus(self, ino.0, fh.0, offset, reply)
     }
 
@@ -358,10 +388,12 @@ impl Filesystem for FuseFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.fs.count_fuse_request(abi::FSYNCDIR);
         FuseFs::fsync(self, req.pid(), ino.0, datasync, reply)
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.fs.count_fuse_request(abi::STATFS);
         FuseFs::statfs(self, reply)
     }
 
@@ -375,22 +407,27 @@ impl Filesystem for FuseFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        self.fs.count_fuse_request(abi::SETXATTR);
         FuseFs::setxattr(self, ino.0, name.as_bytes(), value, flags, reply)
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        self.fs.count_fuse_request(abi::GETXATTR);
         FuseFs::getxattr(self, ino.0, name.as_bytes(), size, reply)
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        self.fs.count_fuse_request(abi::LISTXATTR);
         FuseFs::listxattr(self, ino.0, size, reply)
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.fs.count_fuse_request(abi::REMOVEXATTR);
         FuseFs::removexattr(self, ino.0, name.as_bytes(), reply)
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        self.fs.count_fuse_request(abi::ACCESS);
         FuseFs::access(self, &caller(req), ino.0, mask.bits(), reply)
     }
 
@@ -404,6 +441,7 @@ impl Filesystem for FuseFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        self.fs.count_fuse_request(abi::CREATE);
         FuseFs::create(
             self,
             &caller(req),
@@ -426,6 +464,7 @@ impl Filesystem for FuseFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
+        self.fs.count_fuse_request(abi::FALLOCATE);
         FuseFs::fallocate(self, &caller(req), ino.0, offset, length, mode, reply)
     }
 
@@ -441,6 +480,7 @@ impl Filesystem for FuseFs {
         out_size: u32,
         reply: ReplyIoctl,
     ) {
+        self.fs.count_fuse_request(abi::IOCTL);
         FuseFs::ioctl(self, &caller(req), ino.0, cmd, in_data, out_size, reply)
     }
 
@@ -457,6 +497,7 @@ impl Filesystem for FuseFs {
         _flags: PollFlags,
         reply: ReplyPoll,
     ) {
+        self.fs.count_fuse_request(abi::POLL);
         reply.error(Errno::ENOSYS);
     }
 
@@ -469,6 +510,7 @@ impl Filesystem for FuseFs {
         whence: i32,
         reply: ReplyLseek,
     ) {
+        self.fs.count_fuse_request(abi::LSEEK);
         match u64::try_from(offset) {
             Ok(off) => FuseFs::lseek(self, ino.0, off, whence, reply),
             Err(_) => reply.error(Errno::ENXIO),
@@ -488,6 +530,7 @@ impl Filesystem for FuseFs {
         flags: CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
+        self.fs.count_fuse_request(abi::COPY_FILE_RANGE);
         let c = caller(req);
         let (i, o, f) = (ino_in.0, ino_out.0, flags.bits());
         FuseFs::copy_file_range(self, &c, i, offset_in, o, offset_out, len, f, reply)

@@ -633,6 +633,7 @@ fn dispatch(fs: &FuseFs, slab: &Arc<Slab>, idx: u16) {
         pid: h.pid,
     };
     fs.fs.count_uring_request();
+    fs.fs.count_fuse_request(h.opcode);
     run(fs, &h, &c, &op, payload, reply);
 }
 
