@@ -243,6 +243,8 @@ impl Model {
 enum Promise {
     File {
         id: u64,
+        /// Its inode number (never reused), to tell it from another file at `path`.
+        ino: u64,
         path: String,
         data_only: bool,
     },
@@ -462,6 +464,7 @@ fn record_with(base: &[u8], ops: Vec<Op>, discard: Option<u64>) -> (Arc<CrashDev
             } else {
                 Promise::File {
                     id,
+                    ino: fs.resolve(p).unwrap().ino,
                     path: p.clone(),
                     data_only,
                 }
@@ -541,13 +544,15 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
         match pr {
             Promise::File {
                 id,
+                ino,
                 path,
                 data_only,
             } => {
                 let stable = later.iter().all(|m| m.names.get(path) == Some(id));
-                if *data_only && stable && fs.resolve(path).is_err() {
+                if *data_only && stable && fs.resolve(path).map_or(true, |a| a.ino != *ino) {
                     // fdatasync keeps data, not names: a name the inode had before (a
-                    // rename is not data) must reach it, with the data intact.
+                    // rename is not data) must reach it, with the data intact. The
+                    // path may be gone, or still name the file a rename replaced.
                     let names: std::collections::BTreeSet<&String> = run
                         .history
                         .iter()
@@ -555,6 +560,9 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                         .collect();
                     let found = names.iter().any(|n| {
                         fs.resolve(n).is_ok_and(|a| {
+                            if a.ino != *ino {
+                                return false;
+                            }
                             let d = fs
                                 .read(a.ino, 0, (a.size as u32).max(1))
                                 .unwrap_or_default();
@@ -1127,6 +1135,21 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
                 Sync,
                 Truncate(s("/a"), 11067),
                 Fdatasync(s("/a")),
+            ],
+        ),
+        (
+            "fdatasync of a file renamed over another keeps the data, not the name",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/a")),
+                Write(s("/a"), 0, 6000, 1),
+                Sync,
+                Create(s("/d/c")),
+                Fsync(s("/d")),
+                Write(s("/a"), 13660, 8357, 56),
+                Fsync(s("/a")),
+                Rename(s("/a"), s("/d/c")),
+                Fdatasync(s("/d/c")),
             ],
         ),
         (
