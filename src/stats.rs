@@ -88,67 +88,9 @@ pub struct Stats {
 /// Request kinds counted: every FUSE opcode below this.
 const REQUEST_KINDS: usize = 64;
 
-/// The names of the FUSE opcodes, as `birchfs stats` shows them (the kernel's
-/// `FUSE_*` names in lower case).
-const REQUEST_NAMES: [(u32, &str); 50] = [
-    (1, "lookup"),
-    (2, "forget"),
-    (3, "getattr"),
-    (4, "setattr"),
-    (5, "readlink"),
-    (6, "symlink"),
-    (8, "mknod"),
-    (9, "mkdir"),
-    (10, "unlink"),
-    (11, "rmdir"),
-    (12, "rename"),
-    (13, "link"),
-    (14, "open"),
-    (15, "read"),
-    (16, "write"),
-    (17, "statfs"),
-    (18, "release"),
-    (20, "fsync"),
-    (21, "setxattr"),
-    (22, "getxattr"),
-    (23, "listxattr"),
-    (24, "removexattr"),
-    (25, "flush"),
-    (26, "init"),
-    (27, "opendir"),
-    (28, "readdir"),
-    (29, "releasedir"),
-    (30, "fsyncdir"),
-    (31, "getlk"),
-    (32, "setlk"),
-    (33, "setlkw"),
-    (34, "access"),
-    (35, "create"),
-    (36, "interrupt"),
-    (37, "bmap"),
-    (38, "destroy"),
-    (39, "ioctl"),
-    (40, "poll"),
-    (41, "notify_reply"),
-    (42, "batch_forget"),
-    (43, "fallocate"),
-    (44, "readdirplus"),
-    (45, "rename2"),
-    (46, "lseek"),
-    (47, "copy_file_range"),
-    (48, "setupmapping"),
-    (49, "removemapping"),
-    (50, "syncfs"),
-    (51, "tmpfile"),
-    (52, "statx"),
-];
-
 /// The name of FUSE opcode `op` (`op<N>` for one without a name here).
 fn request_name(op: usize) -> String {
-    REQUEST_NAMES
-        .iter()
-        .find(|&&(o, _)| o as usize == op)
-        .map_or_else(|| format!("op{op}"), |&(_, n)| n.to_string())
+    crate::fuse::abi::opcode_name(op as u32).map_or_else(|| format!("op{op}"), str::to_string)
 }
 
 /// FUSE requests served, per opcode.

@@ -1,6 +1,7 @@
 //! The kernel's FUSE ABI (`include/uapi/linux/fuse.h`, 7.42) as far as the io_uring
-//! transport needs it: request opcodes, the fixed parts of requests, and the reply
-//! bodies it encodes itself. (Requests from `/dev/fuse` are fuser's to decode.)
+//! transport needs it: request opcodes (and their names, for the request counters),
+//! the fixed parts of requests, and the reply bodies it encodes itself. (Requests
+//! from `/dev/fuse` are fuser's to decode.)
 //!
 //! A request through a ring entry comes in three parts (`struct fuse_uring_req_header`
 //! plus the payload buffer):
@@ -50,17 +51,85 @@ pub(crate) const OPENDIR: u32 = 27;
 pub(crate) const READDIR: u32 = 28;
 pub(crate) const RELEASEDIR: u32 = 29;
 pub(crate) const FSYNCDIR: u32 = 30;
+pub(crate) const GETLK: u32 = 31;
+pub(crate) const SETLK: u32 = 32;
+pub(crate) const SETLKW: u32 = 33;
 pub(crate) const ACCESS: u32 = 34;
 pub(crate) const CREATE: u32 = 35;
+pub(crate) const INTERRUPT: u32 = 36;
+pub(crate) const BMAP: u32 = 37;
 pub(crate) const DESTROY: u32 = 38;
 pub(crate) const IOCTL: u32 = 39;
 pub(crate) const POLL: u32 = 40;
+pub(crate) const NOTIFY_REPLY: u32 = 41;
 pub(crate) const BATCH_FORGET: u32 = 42;
 pub(crate) const FALLOCATE: u32 = 43;
 pub(crate) const READDIRPLUS: u32 = 44;
 pub(crate) const RENAME2: u32 = 45;
 pub(crate) const LSEEK: u32 = 46;
 pub(crate) const COPY_FILE_RANGE: u32 = 47;
+pub(crate) const SETUPMAPPING: u32 = 48;
+pub(crate) const REMOVEMAPPING: u32 = 49;
+pub(crate) const SYNCFS: u32 = 50;
+pub(crate) const TMPFILE: u32 = 51;
+pub(crate) const STATX: u32 = 52;
+
+/// The name of request opcode `op`: the kernel's `FUSE_*` name in lower case.
+pub(crate) fn opcode_name(op: u32) -> Option<&'static str> {
+    Some(match op {
+        LOOKUP => "lookup",
+        FORGET => "forget",
+        GETATTR => "getattr",
+        SETATTR => "setattr",
+        READLINK => "readlink",
+        SYMLINK => "symlink",
+        MKNOD => "mknod",
+        MKDIR => "mkdir",
+        UNLINK => "unlink",
+        RMDIR => "rmdir",
+        RENAME => "rename",
+        LINK => "link",
+        OPEN => "open",
+        READ => "read",
+        WRITE => "write",
+        STATFS => "statfs",
+        RELEASE => "release",
+        FSYNC => "fsync",
+        SETXATTR => "setxattr",
+        GETXATTR => "getxattr",
+        LISTXATTR => "listxattr",
+        REMOVEXATTR => "removexattr",
+        FLUSH => "flush",
+        INIT => "init",
+        OPENDIR => "opendir",
+        READDIR => "readdir",
+        RELEASEDIR => "releasedir",
+        FSYNCDIR => "fsyncdir",
+        GETLK => "getlk",
+        SETLK => "setlk",
+        SETLKW => "setlkw",
+        ACCESS => "access",
+        CREATE => "create",
+        INTERRUPT => "interrupt",
+        BMAP => "bmap",
+        DESTROY => "destroy",
+        IOCTL => "ioctl",
+        POLL => "poll",
+        NOTIFY_REPLY => "notify_reply",
+        BATCH_FORGET => "batch_forget",
+        FALLOCATE => "fallocate",
+        READDIRPLUS => "readdirplus",
+        RENAME2 => "rename2",
+        LSEEK => "lseek",
+        COPY_FILE_RANGE => "copy_file_range",
+        SETUPMAPPING => "setupmapping",
+        REMOVEMAPPING => "removemapping",
+        SYNCFS => "syncfs",
+        TMPFILE => "tmpfile",
+        STATX => "statx",
+        _ => return None,
+    })
+}
 
 /// `fuse_getattr_in.getattr_flags`: the kernel asks on behalf of an open file, `fh`.
 pub(crate) const GETATTR_FH: u32 = 1;

@@ -1,7 +1,7 @@
 //! The FUSE front door: kernel requests, from `/dev/fuse` (through fuser) or from
 //! io_uring queues, mapped onto [`crate::Fs`].
 
-mod abi;
+pub(crate) mod abi;
 mod answer;
 mod classic;
 #[cfg(test)]
