@@ -3994,19 +3994,21 @@ fn syncfs_succeeds_after_an_unlink() {
 fn stats_count_fuse_requests_by_kind() {
     let m = Mount::new();
     let kinds = ["create", "fsync", "rename", "unlink", "write", "lookup"];
-    let count = |kind: &str| daemon_stats(&m)["requests"][kind].as_u64().unwrap_or(0);
-    let before: Vec<u64> = kinds.iter().map(|k| count(k)).collect();
+    // One reading of the counters, each kind's count in it.
+    let counts = || {
+        let requests = &daemon_stats(&m)["requests"];
+        kinds.map(|k| requests[k].as_u64().unwrap_or(0))
+    };
+    let before = counts();
     let mut f = File::create(m.path("a")).unwrap();
     f.write_all(&[1; 4096]).unwrap();
     f.sync_all().unwrap();
     drop(f);
     fs::rename(m.path("a"), m.path("b")).unwrap();
     fs::remove_file(m.path("b")).unwrap();
-    let after: Vec<u64> = kinds.iter().map(|k| count(k)).collect();
-    let delta: BTreeMap<&str, u64> = kinds
-        .iter()
-        .zip(before.iter().zip(&after))
-        .map(|(k, (b, a))| (*k, a - b))
+    let after = counts();
+    let delta: BTreeMap<&str, u64> = (0..kinds.len())
+        .map(|i| (kinds[i], after[i] - before[i]))
         .collect();
     for kind in ["create", "fsync", "rename", "unlink"] {
         assert_eq!(delta[kind], 1, "{kind} requests: {delta:?}");
