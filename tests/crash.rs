@@ -32,7 +32,13 @@ enum Op {
     Link(String, String),
     Unlink(String),
     Rmdir(String),
+    /// rename(2) of a file, symlink or directory, onto a free name or one of its kind
+    /// (a directory only onto an empty one).
     Rename(String, String),
+    /// rename(2) with RENAME_EXCHANGE: the two names (and what is below them) swap.
+    Exchange(String, String),
+    /// A symlink at the first path pointing to the second.
+    Symlink(String, String),
     SetXattr(String, &'static str, Vec<u8>),
     RemoveXattr(String, &'static str),
     Chmod(String, u32),
@@ -57,6 +63,8 @@ enum Op {
 #[derive(Debug, Clone, PartialEq)]
 struct Node {
     dir: bool,
+    /// A symlink (its target is `data`).
+    symlink: bool,
     data: Vec<u8>,
     mode: u32,
     xattrs: BTreeMap<String, Vec<u8>>,
@@ -78,6 +86,7 @@ impl Model {
             0,
             Node {
                 dir: true,
+                symlink: false,
                 data: vec![],
                 mode: 0o755,
                 xattrs: BTreeMap::new(),
@@ -104,7 +113,32 @@ impl Model {
         self.names.get(p).is_some_and(|id| self.nodes[id].dir)
     }
     fn is_file(&self, p: &str) -> bool {
-        self.names.get(p).is_some_and(|id| !self.nodes[id].dir)
+        self.names
+            .get(p)
+            .is_some_and(|id| !self.nodes[id].dir && !self.nodes[id].symlink)
+    }
+    /// Whether `p` is strictly below `dir`.
+    fn under(dir: &str, p: &str) -> bool {
+        p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/'
+    }
+    /// Takes `p` and every name below it out of the namespace: (path below `p`, id).
+    fn take_tree(&mut self, p: &str) -> Vec<(String, u64)> {
+        let moved: Vec<(String, u64)> = self
+            .names
+            .iter()
+            .filter(|(q, _)| *q == p || Model::under(p, q))
+            .map(|(q, id)| (q[p.len()..].to_string(), *id))
+            .collect();
+        for (rest, _) in &moved {
+            self.names.remove(&format!("{p}{rest}"));
+        }
+        moved
+    }
+    /// Puts a tree taken by `take_tree` back at `p`.
+    fn put_tree(&mut self, p: &str, tree: Vec<(String, u64)>) {
+        for (rest, id) in tree {
+            self.names.insert(format!("{p}{rest}"), id);
+        }
     }
     /// Whether `op` is valid in this state (generated workloads skip the others).
     fn valid(&self, op: &Op) -> bool {
@@ -118,11 +152,26 @@ impl Model {
             | Op::Zero(p, ..) => self.is_file(p),
             Op::Link(a, b) => self.is_file(a) && free(b),
             Op::Clone(a, b) => self.is_file(a) && self.is_file(b) && self.names[a] != self.names[b],
-            Op::Unlink(p) => self.is_file(p),
+            Op::Unlink(p) => self.names.contains_key(p) && !self.is_dir(p),
             Op::Rmdir(p) => p != "/" && self.is_dir(p) && self.children(p).is_empty(),
-            Op::Rename(a, b) => self.is_file(a) && (free(b) || self.is_file(b)) && a != b,
+            Op::Rename(a, b) | Op::Exchange(a, b) => {
+                let exists = |p: &String| p != "/" && self.names.contains_key(p);
+                if !exists(a) || a == b || Model::under(a, b) {
+                    return false;
+                }
+                if matches!(op, Op::Exchange(..)) {
+                    return exists(b) && !Model::under(b, a);
+                }
+                free(b)
+                    || exists(b)
+                        && !Model::under(b, a)
+                        && self.is_dir(a) == self.is_dir(b)
+                        && (!self.is_dir(b) || self.children(b).is_empty())
+            }
+            Op::Symlink(p, _) => free(p),
+            // (Symlinks: chmod and open follow them, and Linux refuses user xattrs.)
             Op::SetXattr(p, ..) | Op::Chmod(p, _) | Op::Fsync(p) | Op::Fdatasync(p) => {
-                self.names.contains_key(p)
+                self.names.get(p).is_some_and(|id| !self.nodes[id].symlink)
             }
             Op::RemoveXattr(p, n) => self
                 .names
@@ -141,6 +190,7 @@ impl Model {
                 m.next,
                 Node {
                     dir,
+                    symlink: false,
                     data: vec![],
                     mode,
                     xattrs: BTreeMap::new(),
@@ -151,6 +201,13 @@ impl Model {
         match op {
             Op::Create(p) => new(self, p, false),
             Op::Mkdir(p) => new(self, p, true),
+            Op::Symlink(p, t) => {
+                new(self, p, false);
+                let n = self.nodes.get_mut(&self.next).unwrap();
+                n.symlink = true;
+                n.mode = 0o777;
+                n.data = t.as_bytes().to_vec();
+            }
             Op::Write(p, off, len, b) => {
                 let d = &mut self.nodes.get_mut(&self.names[p]).unwrap().data;
                 let end = *off as usize + len;
@@ -204,8 +261,16 @@ impl Model {
             // Onto another link of the same file, rename does nothing (POSIX).
             Op::Rename(a, b) if self.names.get(b) == self.names.get(a) => {}
             Op::Rename(a, b) => {
-                let id = self.names.remove(a).unwrap();
-                self.names.insert(b.clone(), id);
+                self.names.remove(b);
+                let tree = self.take_tree(a);
+                self.put_tree(b, tree);
+            }
+            Op::Exchange(a, b) if self.names.get(b) == self.names.get(a) => {}
+            Op::Exchange(a, b) => {
+                let ta = self.take_tree(a);
+                let tb = self.take_tree(b);
+                self.put_tree(b, ta);
+                self.put_tree(a, tb);
             }
             Op::SetXattr(p, n, v) => {
                 self.nodes
@@ -339,11 +404,19 @@ fn exec(fs: &Fs, op: &Op) {
             let (d, n) = split(p);
             fs.rmdir(ino(&d), n).unwrap();
         }
-        Op::Rename(a, b) => {
+        Op::Rename(a, b) | Op::Exchange(a, b) => {
             let (da, na) = split(a);
             let (db, nb) = split(b);
-            fs.rename(ino(&da), na, ino(&db), nb, RenameFlags::default())
-                .unwrap();
+            let flags = RenameFlags {
+                exchange: matches!(op, Op::Exchange(..)),
+                ..Default::default()
+            };
+            fs.rename(ino(&da), na, ino(&db), nb, flags)
+                .unwrap_or_else(|e| panic!("{op:?}: {e}"));
+        }
+        Op::Symlink(p, t) => {
+            let (d, n) = split(p);
+            fs.symlink(ino(&d), n, t.as_bytes(), cr).unwrap();
         }
         Op::SetXattr(p, n, v) => fs.setxattr(ino(p), n.as_bytes(), v, false, false).unwrap(),
         Op::RemoveXattr(p, n) => fs.removexattr(ino(p), n.as_bytes()).unwrap(),
@@ -628,13 +701,15 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
             }
             Promise::Dir { path } => {
                 let then = later[0].children(path);
-                let Ok(d) = fs.resolve(path) else {
-                    assert!(
-                        later.iter().any(|m| !m.names.contains_key(path)),
-                        "{what}: fsynced dir {path} gone"
-                    );
+                // Once a later operation moved the directory away, or put something
+                // else at its path, the path may name either.
+                let id = later[0].names.get(path);
+                if later.iter().any(|m| m.names.get(path) != id) {
                     continue;
-                };
+                }
+                let d = fs.resolve(path).unwrap_or_else(|e| {
+                    panic!("{what}: fsynced dir {path} gone: {e}\nops: {:?}", run.ops)
+                });
                 let mut now = std::collections::BTreeSet::new();
                 for e in fs.readdir(d.ino, 0, 100_000).unwrap() {
                     now.insert(String::from_utf8(e.name).unwrap());
@@ -651,6 +726,16 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                         "{what}: entry {full} of fsynced dir lost\nops: {:?}",
                         run.ops
                     );
+                    let node = &later[0].nodes[id];
+                    if stable && node.symlink {
+                        let a = fs.resolve(&full).unwrap();
+                        assert_eq!(
+                            fs.readlink(a.ino).ok().as_ref(),
+                            Some(&node.data),
+                            "{what}: symlink {full} of fsynced dir has another target\nops: {:?}",
+                            run.ops
+                        );
+                    }
                 }
                 for name in &now {
                     if name == "." || name == ".." || then.contains_key(name) {
@@ -759,7 +844,11 @@ fn compare_snapshot(fs: &Fs, root: &str, m: &Model, what: &str, ops: &[Op]) {
             let want: std::collections::BTreeSet<String> = m.children(path).into_keys().collect();
             assert_eq!(now, want, "{what}: entries of {full}\nops: {ops:?}");
         } else {
-            let data = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
+            let data = if node.symlink {
+                fs.readlink(a.ino).unwrap()
+            } else {
+                fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap()
+            };
             assert!(
                 data == node.data,
                 "{what}: {full} has {} bytes, the snapshot took {}\nops: {ops:?}",
@@ -1206,6 +1295,90 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
                 Write(s("/f"), 0, 5, 16),
             ],
         ),
+        (
+            "fsync of a file whose directory was renamed since the last commit",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Write(s("/d/a"), 0, 5000, 60),
+                Sync,
+                Rename(s("/d"), s("/e")),
+                Write(s("/e/a"), 100, 100, 61),
+                Fsync(s("/e/a")),
+            ],
+        ),
+        (
+            "a directory moved into another, both fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Mkdir(s("/e")),
+                Create(s("/d/a")),
+                Write(s("/d/a"), 0, 3000, 62),
+                Sync,
+                Rename(s("/d"), s("/e/d")),
+                Fsync(s("/e")),
+                Create(s("/e/d/b")),
+                Fsync(s("/e/d/b")),
+                Fsync(s("/")),
+            ],
+        ),
+        (
+            "a renamed directory's old name taken by a new file, fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Sync,
+                Rename(s("/d"), s("/e")),
+                Create(s("/d")),
+                Write(s("/d"), 0, 4000, 63),
+                Fsync(s("/d")),
+                Fsync(s("/e")),
+            ],
+        ),
+        (
+            "exchange of a file and a directory, each side fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Create(s("/b")),
+                Write(s("/b"), 0, 7000, 64),
+                Sync,
+                Exchange(s("/b"), s("/d")),
+                Fsync(s("/b")),
+                Write(s("/d"), 0, 10, 65),
+                Fsync(s("/d")),
+                Exchange(s("/b/a"), s("/d")),
+                Fsync(s("/")),
+            ],
+        ),
+        (
+            "exchange of two files in different directories, then a dir fsync",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/a")),
+                Write(s("/a"), 0, 3000, 66),
+                Create(s("/d/c")),
+                Write(s("/d/c"), 0, 9000, 67),
+                Fsync(s("/a")),
+                Exchange(s("/a"), s("/d/c")),
+                Fsync(s("/d")),
+                Fsync(s("/a")),
+            ],
+        ),
+        (
+            "symlinks made, replaced and moved, their directory fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Symlink(s("/d/l"), s("../a")),
+                Fsync(s("/d")),
+                Create(s("/a")),
+                Rename(s("/a"), s("/d/l")),
+                Symlink(s("/a"), s("d/l")),
+                Fsync(s("/")),
+                Rename(s("/a"), s("/d/m")),
+                Fsync(s("/d")),
+            ],
+        ),
     ]
 }
 
@@ -1258,7 +1431,9 @@ fn generated_sequences_survive_every_power_cut() {
     let mut rng = StdRng::seed_from_u64(seed(2));
     let seqs = if long() { 400 } else { 40 };
     let per_gap = if long() { 8 } else { 3 };
-    let files = ["/a", "/b", "/d/a", "/d/c"];
+    let files = ["/a", "/b", "/d/a", "/d/c", "/e/a", "/e/c"];
+    // Directories come and go, move and swap with files (their contents with them).
+    let dirs = ["/d", "/e", "/d/e"];
     let mut total = 0;
     for seq in 0..seqs {
         let mut m = Model::new();
@@ -1285,7 +1460,17 @@ fn generated_sequences_survive_every_power_cut() {
             }
             let f = s(files[rng.gen_range(0..files.len())]);
             let g = s(files[rng.gen_range(0..files.len())]);
-            let kind = rng.gen_range(0..14);
+            let any = |rng: &mut StdRng| {
+                let i = rng.gen_range(0..files.len() + dirs.len());
+                s(files.get(i).unwrap_or_else(|| &dirs[i - files.len()]))
+            };
+            let dir = s(dirs[rng.gen_range(0..dirs.len())]);
+            // A name the model has now (not the root), so that moves mostly happen.
+            let existing = |rng: &mut StdRng| {
+                let names: Vec<&String> = m.names.keys().filter(|p| *p != "/").collect();
+                names[rng.gen_range(0..names.len())].clone()
+            };
+            let kind = rng.gen_range(0..18);
             // (Truncating writes the file's cached data back first.)
             if full && (kind == 2 || (6..=12).contains(&kind) && kind != 7) {
                 continue;
@@ -1320,13 +1505,22 @@ fn generated_sequences_survive_every_power_cut() {
                 10 => Op::Snapshot(if rng.gen() { "s" } else { "t" }),
                 11 => Op::DeleteSnapshot(if rng.gen() { "s" } else { "t" }),
                 12 => Op::Trim,
-                _ => Op::Rmdir(s("/d")),
+                13 => Op::Rmdir(dir),
+                14 => Op::Rename(existing(&mut rng), any(&mut rng)),
+                15 => Op::Exchange(existing(&mut rng), existing(&mut rng)),
+                16 => Op::Symlink(f, format!("t{}", rng.gen_range(0..100))),
+                _ => Op::Mkdir(dir),
             };
             if m.valid(&op) {
                 m.apply(&op);
                 let target = match &op {
                     Op::Link(_, b) | Op::Rename(_, b) | Op::Clone(_, b) => b.clone(),
+                    Op::Exchange(a, b) => (if rng.gen() { a } else { b }).clone(),
+                    // A symlink cannot be opened to fsync it: its directory is.
+                    Op::Symlink(p, _) => Model::parent(p),
                     Op::Create(p)
+                    | Op::Mkdir(p)
+                    | Op::Rmdir(p)
                     | Op::Write(p, ..)
                     | Op::Truncate(p, _)
                     | Op::Punch(p, ..)
@@ -1336,7 +1530,7 @@ fn generated_sequences_survive_every_power_cut() {
                     _ => s("/d"),
                 };
                 ops.push(op);
-                let fs_target = if rng.gen_bool(0.3) || !m.names.contains_key(&target) {
+                let fs_target = if rng.gen_bool(0.3) || !m.valid(&Op::Fsync(target.clone())) {
                     Model::parent(&target)
                 } else {
                     target
