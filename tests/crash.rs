@@ -652,17 +652,28 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                     );
                     continue;
                 }
-                let Ok(a) = fs.resolve(path) else {
+                if !stable {
+                    // Later operations moved or replaced the name. Unless one of them
+                    // took the file's last name, some name it had since the fsync
+                    // (the old one or a new one) still reaches it.
+                    let kept = later.iter().all(|m| m.names.values().any(|v| v == id));
+                    let names: std::collections::BTreeSet<&String> = later
+                        .iter()
+                        .flat_map(|m| m.names.iter().filter(|(_, v)| *v == id).map(|(k, _)| k))
+                        .collect();
                     assert!(
-                        !stable,
-                        "{what}: fsynced {path} (op {i}) is gone\nops: {:?}",
+                        !kept || names.iter().any(|n| fs.resolve(n).is_ok_and(|a| a.ino == *ino)),
+                        "{what}: fsynced {path} (op {i}) is reachable by none of its names {names:?}\nops: {:?}",
                         run.ops
                     );
                     continue;
-                };
-                if !stable {
-                    continue;
                 }
+                let a = fs.resolve(path).unwrap_or_else(|e| {
+                    panic!(
+                        "{what}: fsynced {path} (op {i}) is gone: {e}\nops: {:?}",
+                        run.ops
+                    )
+                });
                 let data = fs
                     .read(a.ino, 0, (a.size as u32).max(1))
                     .unwrap_or_else(|e| panic!("{what}: read {path}: {e}"));
