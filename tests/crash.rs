@@ -39,7 +39,7 @@ enum Op {
     Exchange(String, String),
     /// A symlink at the first path pointing to the second.
     Symlink(String, String),
-    SetXattr(String, &'static str, Vec<u8>),
+    SetXattr(String, &'static str, Value),
     RemoveXattr(String, &'static str),
     Chmod(String, u32),
     Fsync(String),
@@ -58,6 +58,20 @@ enum Op {
     /// with ENOSPC, as into the holes of a sparse image) or has room again (`false`).
     /// While it is full, fsyncs and syncs may fail, and then promise nothing.
     NoRoom(bool),
+}
+
+/// An xattr value; it prints as `[b; n]` when all its bytes are `b` (as the
+/// generated ones are), so that a failing sequence stays readable.
+#[derive(Clone, PartialEq)]
+struct Value(Vec<u8>);
+
+impl std::fmt::Debug for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.first() {
+            Some(b) if self.0.iter().all(|x| x == b) => write!(f, "[{b}; {}]", self.0.len()),
+            _ => write!(f, "{:?}", self.0),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -277,7 +291,7 @@ impl Model {
                     .get_mut(&self.names[p])
                     .unwrap()
                     .xattrs
-                    .insert(n.to_string(), v.clone());
+                    .insert(n.to_string(), v.0.clone());
             }
             Op::RemoveXattr(p, n) => {
                 self.nodes
@@ -418,7 +432,9 @@ fn exec(fs: &Fs, op: &Op) {
             let (d, n) = split(p);
             fs.symlink(ino(&d), n, t.as_bytes(), cr).unwrap();
         }
-        Op::SetXattr(p, n, v) => fs.setxattr(ino(p), n.as_bytes(), v, false, false).unwrap(),
+        Op::SetXattr(p, n, v) => fs
+            .setxattr(ino(p), n.as_bytes(), &v.0, false, false)
+            .unwrap(),
         Op::RemoveXattr(p, n) => fs.removexattr(ino(p), n.as_bytes()).unwrap(),
         Op::Chmod(p, m) => {
             fs.setattr(
@@ -529,19 +545,7 @@ fn record_with(base: &[u8], ops: Vec<Op>, discard: Option<u64>) -> (Arc<CrashDev
             }
         };
         m.apply(op);
-        if let (true, Op::Fsync(p) | Op::Fdatasync(p)) = (done, op) {
-            let id = m.names[p];
-            let data_only = matches!(op, Op::Fdatasync(_));
-            let pr = if m.nodes[&id].dir {
-                Promise::Dir { path: p.clone() }
-            } else {
-                Promise::File {
-                    id,
-                    ino: fs.resolve(p).unwrap().ino,
-                    path: p.clone(),
-                    data_only,
-                }
-            };
+        if let (true, Some(pr)) = (done, fsync_promise(&fs, &m, op)) {
             run.promises.push((dev.op_count(), i, pr));
         }
         if let Op::Snapshot(name) | Op::DeleteSnapshot(name) = op {
@@ -557,11 +561,29 @@ fn record_with(base: &[u8], ops: Vec<Op>, discard: Option<u64>) -> (Arc<CrashDev
     (dev, run)
 }
 
+/// What the fsync or fdatasync `op`, which returned, promises (`m`: the model after it).
+fn fsync_promise(fs: &Fs, m: &Model, op: &Op) -> Option<Promise> {
+    let (Op::Fsync(p) | Op::Fdatasync(p)) = op else {
+        return None;
+    };
+    let id = m.names[p];
+    Some(if m.nodes[&id].dir {
+        Promise::Dir { path: p.clone() }
+    } else {
+        Promise::File {
+            id,
+            ino: fs.resolve(p).unwrap().ino,
+            path: p.clone(),
+            data_only: matches!(op, Op::Fdatasync(_)),
+        }
+    })
+}
+
 /// A crash while mounting `image` (during log replay and its commit): every state the
 /// mount's own writes could leave must verify too. Returns how many were checked.
 fn verify_crash_during_replay(
     image: Vec<u8>,
-    run: &Run,
+    runs: &[Run],
     flushed_upto: usize,
     what: &str,
     rng: &mut StdRng,
@@ -577,7 +599,7 @@ fn verify_crash_during_replay(
     for cut in cuts {
         verify(
             dev.image_with(cut, &[]),
-            run,
+            runs,
             flushed_upto,
             &format!("{what}, then a crash after {cut} writes of its replay"),
         );
@@ -586,7 +608,11 @@ fn verify_crash_during_replay(
     n
 }
 
-fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
+/// Checks the crash state `image`: `check` finds nothing, restore and mount agree, and
+/// every promise of `runs` (the workloads of threads with names of their own) that
+/// had been made by write `flushed_upto` is kept.
+fn verify(image: Vec<u8>, runs: &[Run], flushed_upto: usize, what: &str) {
+    let all_ops: Vec<Op> = runs.iter().flat_map(|r| r.ops.iter().cloned()).collect();
     let dev = Arc::new(MemDev::from_image(image));
     let rep =
         birchfs::check::check(dev.as_ref()).unwrap_or_else(|e| panic!("{what}: unreadable: {e}"));
@@ -594,7 +620,7 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
         rep.problems.is_empty(),
         "{what}: check: {:#?}\nops: {:?}",
         rep.problems,
-        run.ops
+        all_ops
     );
     // `birchfs restore` of the same state, which replays the log itself.
     let tmp = tempfile::tempdir().unwrap();
@@ -605,10 +631,17 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
         rr.problems.is_empty(),
         "{what}: restore: {:#?}\nops: {:?}",
         rr.problems,
-        run.ops
+        all_ops
     );
     let fs = Fs::open(dev, Options::default()).unwrap_or_else(|e| panic!("{what}: mount: {e}"));
-    same_as_restored(&fs, ROOT_INO, &restored, what, &run.ops);
+    same_as_restored(&fs, ROOT_INO, &restored, what, &all_ops);
+    for run in runs {
+        keeps_promises(&fs, run, flushed_upto, what);
+    }
+}
+
+/// Every promise of `run` made by write `flushed_upto` is kept in the mounted `fs`.
+fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
     for (ret, i, pr) in &run.promises {
         if *ret > flushed_upto {
             continue;
@@ -655,9 +688,11 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                 if !stable {
                     // Later operations moved or replaced the name. Unless one of them
                     // took the file's last name, some name it had since the fsync
-                    // (the old one or a new one) still reaches it.
+                    // (the old one or a new one; after an fdatasync, which keeps no
+                    // names, also one from before) still reaches it.
                     let kept = later.iter().all(|m| m.names.values().any(|v| v == id));
-                    let names: std::collections::BTreeSet<&String> = later
+                    let since = if *data_only { &run.history[..] } else { later };
+                    let names: std::collections::BTreeSet<&String> = since
                         .iter()
                         .flat_map(|m| m.names.iter().filter(|(_, v)| *v == id).map(|(k, _)| k))
                         .collect();
@@ -700,7 +735,7 @@ fn verify(image: Vec<u8>, run: &Run, flushed_upto: usize, what: &str) {
                 let snap = format!("/.snapshots/{name}");
                 match later[0].snaps.get(name) {
                     Some(want) if later.iter().all(|m| m.snaps.get(name) == Some(want)) => {
-                        compare_snapshot(&fs, &snap, want, what, &run.ops)
+                        compare_snapshot(fs, &snap, want, what, &run.ops)
                     }
                     None if later.iter().all(|m| !m.snaps.contains_key(name)) => assert!(
                         fs.resolve(&snap).is_err(),
@@ -896,17 +931,18 @@ fn gaps<'a>(dev: &CrashDev, ops: &'a [CrashOp]) -> Vec<(usize, Vec<Write<'a>>)> 
         .collect()
 }
 
-/// Rebuilds and verifies the crash states of one recorded run; returns how many.
-fn crash_states(dev: &CrashDev, run: &Run, rng: &mut StdRng, per_gap: usize) -> usize {
+/// Rebuilds and verifies the crash states of one recorded run (of one thread, or of
+/// threads that each keep to names of their own); returns how many.
+fn crash_states(dev: &CrashDev, runs: &[Run], rng: &mut StdRng, per_gap: usize) -> usize {
     let ops = dev.ops();
     let mut n = 0;
     for (bi, (b, tail)) in gaps(dev, &ops).into_iter().enumerate() {
-        verify(dev.image_with(b, &[]), run, b, &format!("flush point {b}"));
+        verify(dev.image_with(b, &[]), runs, b, &format!("flush point {b}"));
         n += 1;
         if bi % 2 == 1 {
             n += verify_crash_during_replay(
                 dev.image_with(b, &[]),
-                run,
+                runs,
                 b,
                 &format!("flush point {b}"),
                 rng,
@@ -920,7 +956,7 @@ fn crash_states(dev: &CrashDev, run: &Run, rng: &mut StdRng, per_gap: usize) -> 
         for k in (1..=tail.len()).step_by(step) {
             verify(
                 dev.image_with(b, &tail[..k]),
-                run,
+                runs,
                 b,
                 &format!("prefix {k} after {b}"),
             );
@@ -932,7 +968,7 @@ fn crash_states(dev: &CrashDev, run: &Run, rng: &mut StdRng, per_gap: usize) -> 
                 tail.iter().copied().filter(|_| rng.gen_bool(0.5)).collect();
             verify(
                 dev.image_with(b, &pick),
-                run,
+                runs,
                 b,
                 &format!("subset {s} after {b}"),
             );
@@ -957,7 +993,7 @@ fn crash_states(dev: &CrashDev, run: &Run, rng: &mut StdRng, per_gap: usize) -> 
             }
             verify(
                 dev.image_with(b, &pick),
-                run,
+                runs,
                 b,
                 &format!("torn write {s} after {b}"),
             );
@@ -1099,10 +1135,10 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             "xattr changes",
             vec![
                 Create(s("/a")),
-                SetXattr(s("/a"), "user.x", vec![1; 100]),
+                SetXattr(s("/a"), "user.x", Value(vec![1; 100])),
                 Fsync(s("/a")),
                 RemoveXattr(s("/a"), "user.x"),
-                SetXattr(s("/a"), "user.y", vec![2; 1900]),
+                SetXattr(s("/a"), "user.y", Value(vec![2; 1900])),
                 Fsync(s("/a")),
                 Chmod(s("/a"), 0o600),
                 Fsync(s("/a")),
@@ -1283,7 +1319,7 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
                 Sync,
                 Fsync(s("/d")),
                 Create(s("/e")),
-                SetXattr(s("/e"), "user.k", vec![7; 3000]),
+                SetXattr(s("/e"), "user.k", Value(vec![7; 3000])),
                 Fsync(s("/e")),
                 NoRoom(false),
                 Fsync(s("/b")),
@@ -1418,7 +1454,7 @@ fn known_hard_cases_survive_every_power_cut() {
     let mut total = 0;
     for (name, ops) in hard_cases() {
         let (dev, run) = record(&base, ops);
-        let n = crash_states(&dev, &run, &mut rng, per_gap);
+        let n = crash_states(&dev, std::slice::from_ref(&run), &mut rng, per_gap);
         eprintln!("{name}: {n} crash states");
         total += n;
     }
@@ -1426,12 +1462,126 @@ fn known_hard_cases_survive_every_power_cut() {
     // discarded (`-o discard=4K`).
     for (name, ops) in hard_cases().into_iter().step_by(if long() { 1 } else { 2 }) {
         let (dev, run) = record_with(&base, ops, Some(4096));
-        let n = crash_states(&dev, &run, &mut rng, per_gap);
+        let n = crash_states(&dev, std::slice::from_ref(&run), &mut rng, per_gap);
         eprintln!("{name}, online discard: {n} crash states");
         total += n;
     }
     eprintln!("hard cases: {total} crash states checked");
     assert!(total > 200, "too few crash states: {total}");
+}
+
+/// Kinds of operation [`random_op`] makes.
+const OP_KINDS: u32 = 18;
+/// Kinds that take or delete a snapshot (of every thread's names at once).
+const SNAPSHOT_KINDS: [u32; 2] = [10, 11];
+/// The kind that trims (and so commits first).
+const TRIM_KIND: u32 = 12;
+
+/// An operation of kind `kind` (below [`OP_KINDS`]) on the names below `top` ("" for
+/// the root): files, directories that come and go, move and swap with files (their
+/// contents with them), symlinks. It may be invalid in `m`; callers skip those.
+fn random_op(rng: &mut StdRng, m: &Model, top: &str, kind: u32) -> Op {
+    let files = ["/a", "/b", "/d/a", "/d/c", "/e/a", "/e/c"].map(|f| format!("{top}{f}"));
+    let dirs = ["/d", "/e", "/d/e"].map(|d| format!("{top}{d}"));
+    let f = files[rng.gen_range(0..files.len())].clone();
+    let g = files[rng.gen_range(0..files.len())].clone();
+    let any = |rng: &mut StdRng| {
+        let i = rng.gen_range(0..files.len() + dirs.len());
+        files
+            .get(i)
+            .unwrap_or_else(|| &dirs[i - files.len()])
+            .clone()
+    };
+    let dir = dirs[rng.gen_range(0..dirs.len())].clone();
+    // A name the model has now below `top`, so that moves mostly happen.
+    let existing = |rng: &mut StdRng| {
+        let names: Vec<&String> = m
+            .names
+            .keys()
+            .filter(|p| *p != "/" && (top.is_empty() || Model::under(top, p)))
+            .collect();
+        if names.is_empty() {
+            return files[0].clone(); // (not there: the op is skipped)
+        }
+        names[rng.gen_range(0..names.len())].clone()
+    };
+    match kind {
+        0 => Op::Create(f),
+        1 => Op::Write(
+            f,
+            rng.gen_range(0..20000),
+            rng.gen_range(1..20000),
+            rng.gen(),
+        ),
+        2 => Op::Truncate(f, rng.gen_range(0..20000)),
+        3 => Op::Link(f, g),
+        4 => Op::Unlink(f),
+        5 => Op::Rename(f, g),
+        6 => Op::Punch(f, rng.gen_range(0..20000), rng.gen_range(1..10000)),
+        // Now and then a value too large for one tree item (chunks).
+        7 => Op::SetXattr(
+            f,
+            "user.k",
+            Value(vec![
+                rng.gen();
+                if rng.gen_ratio(1, 4) { 30_000 } else { 40 }
+            ]),
+        ),
+        8 if rng.gen() => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
+        8 => Op::Zero(
+            f,
+            rng.gen_range(0..20000),
+            rng.gen_range(1..30000),
+            rng.gen(),
+        ),
+        9 => Op::Clone(f, g),
+        10 => Op::Snapshot(if rng.gen() { "s" } else { "t" }),
+        11 => Op::DeleteSnapshot(if rng.gen() { "s" } else { "t" }),
+        TRIM_KIND => Op::Trim,
+        13 => Op::Rmdir(dir),
+        14 => Op::Rename(existing(rng), any(rng)),
+        15 => Op::Exchange(existing(rng), existing(rng)),
+        16 => Op::Symlink(f, format!("t{}", rng.gen_range(0..100))),
+        _ => Op::Mkdir(dir),
+    }
+}
+
+/// An fsync (or fdatasync) of what `op` touched, or of its directory, never above
+/// `top`; `m` is the model after `op`.
+fn fsync_after(rng: &mut StdRng, m: &Model, op: &Op, top: &str) -> Op {
+    let target = match op {
+        Op::Link(_, b) | Op::Rename(_, b) | Op::Clone(_, b) => b.clone(),
+        Op::Exchange(a, b) => (if rng.gen() { a } else { b }).clone(),
+        // A symlink cannot be opened to fsync it: its directory is.
+        Op::Symlink(p, _) => Model::parent(p),
+        Op::Create(p)
+        | Op::Mkdir(p)
+        | Op::Rmdir(p)
+        | Op::Write(p, ..)
+        | Op::Truncate(p, _)
+        | Op::Punch(p, ..)
+        | Op::SetXattr(p, ..)
+        | Op::Falloc(p, ..)
+        | Op::Zero(p, ..) => p.clone(),
+        _ => format!("{top}/d"),
+    };
+    let mut target = if rng.gen_bool(0.3) {
+        Model::parent(&target)
+    } else {
+        target
+    };
+    while !m.valid(&Op::Fsync(target.clone())) || !top.is_empty() && !target.starts_with(top) {
+        target = if top.is_empty() || Model::under(top, &target) {
+            Model::parent(&target)
+        } else {
+            top.to_string()
+        };
+    }
+    if rng.gen_bool(0.33) && m.is_file(&target) {
+        Op::Fdatasync(target)
+    } else {
+        Op::Fsync(target)
+    }
 }
 
 /// CrashMonkey ACE-style: sequences of up to 4 operations on a small name space, each
@@ -1442,9 +1592,6 @@ fn generated_sequences_survive_every_power_cut() {
     let mut rng = StdRng::seed_from_u64(seed(2));
     let seqs = if long() { 400 } else { 40 };
     let per_gap = if long() { 8 } else { 3 };
-    let files = ["/a", "/b", "/d/a", "/d/c", "/e/a", "/e/c"];
-    // Directories come and go, move and swap with files (their contents with them).
-    let dirs = ["/d", "/e", "/d/e"];
     let mut total = 0;
     for seq in 0..seqs {
         let mut m = Model::new();
@@ -1469,89 +1616,17 @@ fn generated_sequences_survive_every_power_cut() {
                 ops.push(Op::NoRoom(true));
                 full = true;
             }
-            let f = s(files[rng.gen_range(0..files.len())]);
-            let g = s(files[rng.gen_range(0..files.len())]);
-            let any = |rng: &mut StdRng| {
-                let i = rng.gen_range(0..files.len() + dirs.len());
-                s(files.get(i).unwrap_or_else(|| &dirs[i - files.len()]))
-            };
-            let dir = s(dirs[rng.gen_range(0..dirs.len())]);
-            // A name the model has now (not the root), so that moves mostly happen.
-            let existing = |rng: &mut StdRng| {
-                let names: Vec<&String> = m.names.keys().filter(|p| *p != "/").collect();
-                names[rng.gen_range(0..names.len())].clone()
-            };
-            let kind = rng.gen_range(0..18);
+            let kind = rng.gen_range(0..OP_KINDS);
             // (Truncating writes the file's cached data back first.)
             if full && (kind == 2 || (6..=12).contains(&kind) && kind != 7) {
                 continue;
             }
-            let op = match kind {
-                0 => Op::Create(f),
-                1 => Op::Write(
-                    f,
-                    rng.gen_range(0..20000),
-                    rng.gen_range(1..20000),
-                    rng.gen(),
-                ),
-                2 => Op::Truncate(f, rng.gen_range(0..20000)),
-                3 => Op::Link(f, g),
-                4 => Op::Unlink(f),
-                5 => Op::Rename(f, g),
-                6 => Op::Punch(f, rng.gen_range(0..20000), rng.gen_range(1..10000)),
-                // Now and then a value too large for one tree item (chunks).
-                7 => Op::SetXattr(
-                    f,
-                    "user.k",
-                    vec![rng.gen(); if rng.gen_ratio(1, 4) { 30_000 } else { 40 }],
-                ),
-                8 if rng.gen() => Op::Falloc(f, 0, rng.gen_range(1..40000), rng.gen()),
-                8 => Op::Zero(
-                    f,
-                    rng.gen_range(0..20000),
-                    rng.gen_range(1..30000),
-                    rng.gen(),
-                ),
-                9 => Op::Clone(f, g),
-                10 => Op::Snapshot(if rng.gen() { "s" } else { "t" }),
-                11 => Op::DeleteSnapshot(if rng.gen() { "s" } else { "t" }),
-                12 => Op::Trim,
-                13 => Op::Rmdir(dir),
-                14 => Op::Rename(existing(&mut rng), any(&mut rng)),
-                15 => Op::Exchange(existing(&mut rng), existing(&mut rng)),
-                16 => Op::Symlink(f, format!("t{}", rng.gen_range(0..100))),
-                _ => Op::Mkdir(dir),
-            };
+            let op = random_op(&mut rng, &m, "", kind);
             if m.valid(&op) {
                 m.apply(&op);
-                let target = match &op {
-                    Op::Link(_, b) | Op::Rename(_, b) | Op::Clone(_, b) => b.clone(),
-                    Op::Exchange(a, b) => (if rng.gen() { a } else { b }).clone(),
-                    // A symlink cannot be opened to fsync it: its directory is.
-                    Op::Symlink(p, _) => Model::parent(p),
-                    Op::Create(p)
-                    | Op::Mkdir(p)
-                    | Op::Rmdir(p)
-                    | Op::Write(p, ..)
-                    | Op::Truncate(p, _)
-                    | Op::Punch(p, ..)
-                    | Op::SetXattr(p, ..)
-                    | Op::Falloc(p, ..)
-                    | Op::Zero(p, ..) => p.clone(),
-                    _ => s("/d"),
-                };
+                let sync = fsync_after(&mut rng, &m, &op, "");
                 ops.push(op);
-                let fs_target = if rng.gen_bool(0.3) || !m.valid(&Op::Fsync(target.clone())) {
-                    Model::parent(&target)
-                } else {
-                    target
-                };
-                let datasync = rng.gen_bool(0.33) && m.is_file(&fs_target);
-                ops.push(if datasync {
-                    Op::Fdatasync(fs_target)
-                } else {
-                    Op::Fsync(fs_target)
-                });
+                ops.push(sync);
                 added += 1;
             }
         }
@@ -1565,10 +1640,104 @@ fn generated_sequences_survive_every_power_cut() {
         }
         // Every other sequence discards every run its commits free (`discard=4K`).
         let (dev, run) = record_with(&base, ops, (seq % 2 == 1).then_some(4096));
-        total += crash_states(&dev, &run, &mut rng, per_gap);
+        total += crash_states(&dev, std::slice::from_ref(&run), &mut rng, per_gap);
     }
     eprintln!("generated sequences: {seqs} sequences, {total} crash states checked");
     assert!(total > 200);
+}
+
+/// Four threads change names of their own (each below its own directory: files and
+/// directories made, written, renamed, swapped, linked and removed, symlinks), each
+/// fsyncing after every change, so that their namespace updates share log batches and
+/// group commits. In every crash state (flush points, and prefixes and subsets of the
+/// writes after them), each thread's fsyncs are kept as in the one-thread sequences.
+#[test]
+fn namespace_changes_of_threads_survive_every_power_cut() {
+    const THREADS: usize = 4;
+    let steps = if long() { 100 } else { 25 };
+    let dev = Arc::new(CrashDev::new(base_image()));
+    let fs = Fs::open(
+        dev.clone(),
+        Options {
+            commit_interval: std::time::Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let prep = |top: &str| {
+        vec![
+            Op::Mkdir(top.to_string()),
+            Op::Mkdir(format!("{top}/d")),
+            Op::Create(format!("{top}/a")),
+            Op::Write(format!("{top}/a"), 0, 6000, 1),
+        ]
+    };
+    for t in 0..THREADS {
+        for op in prep(&format!("/t{t}")) {
+            exec(&fs, &op);
+        }
+    }
+    fs.commit().unwrap();
+    let runs: Vec<Run> = std::thread::scope(|sc| {
+        let threads: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (fs, dev, prep) = (&fs, &dev, &prep);
+                sc.spawn(move || {
+                    let top = format!("/t{t}");
+                    let mut rng = StdRng::seed_from_u64(seed(40 + t as u64));
+                    let mut m = Model::new();
+                    for op in prep(&top) {
+                        m.apply(&op);
+                    }
+                    let mut run = Run {
+                        ops: Vec::new(),
+                        history: Vec::new(),
+                        promises: Vec::new(),
+                    };
+                    let mut added = 0;
+                    while added < steps {
+                        let kind = rng.gen_range(0..OP_KINDS);
+                        if SNAPSHOT_KINDS.contains(&kind) {
+                            continue; // a snapshot would take the others' names too
+                        }
+                        if kind == TRIM_KIND && !rng.gen_ratio(1, 8) {
+                            continue; // always valid, and it commits: now and then
+                        }
+                        let op = random_op(&mut rng, &m, &top, kind);
+                        if !m.valid(&op) {
+                            continue;
+                        }
+                        exec(fs, &op);
+                        m.apply(&op);
+                        let sync = fsync_after(&mut rng, &m, &op, &top);
+                        run.ops.push(op);
+                        run.history.push(m.clone());
+                        exec(fs, &sync);
+                        let returned = dev.op_count();
+                        m.apply(&sync);
+                        let pr = fsync_promise(fs, &m, &sync).expect("an fsync");
+                        run.ops.push(sync);
+                        run.history.push(m.clone());
+                        run.promises.push((returned, run.ops.len() - 1, pr));
+                        added += 1;
+                    }
+                    run
+                })
+            })
+            .collect();
+        threads.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let st = fs.stats();
+    eprintln!(
+        "{} fsyncs in {} log batches, {} full commits, {} fallbacks",
+        st.fsyncs, st.log_commits, st.commits, st.fallbacks
+    );
+    drop(fs);
+    let mut rng = StdRng::seed_from_u64(seed(44));
+    let n = crash_states(&dev, &runs, &mut rng, if long() { 4 } else { 2 });
+    let fsyncs: usize = runs.iter().map(|r| r.promises.len()).sum();
+    eprintln!("namespace changes of {THREADS} threads: {fsyncs} fsyncs, {n} crash states checked");
+    assert!(n > 100, "too few crash states: {n}");
 }
 
 /// Four threads write and fsync their own files at once, so log batches are written
