@@ -696,9 +696,24 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                         .iter()
                         .flat_map(|m| m.names.iter().filter(|(_, v)| *v == id).map(|(k, _)| k))
                         .collect();
+                    if !kept {
+                        continue;
+                    }
+                    let found = names
+                        .iter()
+                        .find_map(|n| fs.resolve(n).ok().filter(|a| a.ino == *ino));
+                    let Some(a) = found else {
+                        panic!(
+                            "{what}: fsynced {path} (op {i}) is reachable by none of its names {names:?}\nops: {:?}",
+                            run.ops
+                        );
+                    };
+                    // Wherever it is, it holds its data as of the fsync or later.
+                    let d = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
                     assert!(
-                        !kept || names.iter().any(|n| fs.resolve(n).is_ok_and(|a| a.ino == *ino)),
-                        "{what}: fsynced {path} (op {i}) is reachable by none of its names {names:?}\nops: {:?}",
+                        later.iter().filter_map(|m| m.nodes.get(id)).any(|v| v.data == d),
+                        "{what}: moved {path} (fsynced at op {i}) has {} bytes: no version since the fsync matches\nops: {:?}",
+                        d.len(),
                         run.ops
                     );
                     continue;
