@@ -29,6 +29,8 @@ enum Op {
     Unlink(usize),
     Link(usize, usize, usize),
     Rename(usize, usize, usize),
+    /// rename with RENAME_EXCHANGE of two names (the same one: nothing happens).
+    Exchange(usize, usize),
     /// copy_file_range(src, dst, src offset, dst offset, len)
     Copy(usize, usize, u32, u32, u32),
     /// clone_range in whole blocks (src block, dst block, blocks; 0: to the end)
@@ -60,6 +62,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => pick.clone().prop_map(Op::Unlink),
         1 => (pick.clone(), d.clone(), n.clone()).prop_map(|(p, d, n)| Op::Link(p, d, n)),
         1 => (pick.clone(), d, n).prop_map(|(p, d, n)| Op::Rename(p, d, n)),
+        1 => (pick.clone(), pick.clone()).prop_map(|(a, b)| Op::Exchange(a, b)),
         2 => (pick.clone(), pick.clone(), 0..300_000u32, 0..300_000u32, 1..200_000u32)
             .prop_map(|(a, b, s, d, l)| Op::Copy(a, b, s, d, l)),
         2 => (pick.clone(), pick, 0..75u32, 0..75u32, 0..50u32)
@@ -288,6 +291,22 @@ fn apply(w: &mut World, m: &mut Model, durable: &mut Model, op: &Op) {
                     m.gc();
                 }
             }
+        }
+        Op::Exchange(a, b) => {
+            let (Some(pa), Some(pb)) = (m.pick(*a), m.pick(*b)) else {
+                return;
+            };
+            let ((da, na), (db, nb)) = (split(&pa), split(&pb));
+            let flags = RenameFlags {
+                exchange: true,
+                ..Default::default()
+            };
+            w.fs()
+                .rename(w.ino(da), na, w.ino(db), nb, flags)
+                .unwrap_or_else(|e| panic!("exchange {pa} {pb}: {e}"));
+            let (ia, ib) = (m.names[&pa], m.names[&pb]);
+            m.names.insert(pa, ib);
+            m.names.insert(pb, ia);
         }
         Op::Copy(a, b, soff, doff, len) | Op::Clone(a, b, soff, doff, len) => {
             let clone = matches!(op, Op::Clone(..));
