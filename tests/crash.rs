@@ -1428,6 +1428,34 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "an old file moved into a new directory, fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/a")),
+                Write(s("/a"), 0, 8000, 68),
+                Sync,
+                Mkdir(s("/d/e")),
+                Rename(s("/a"), s("/d/e/x")),
+                Fsync(s("/d/e/x")),
+                Write(s("/d/e/x"), 0, 100, 69),
+            ],
+        ),
+        (
+            "a directory replaced by a file of its name, the parent fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Mkdir(s("/d/e")),
+                Create(s("/d/e/x")),
+                Fsync(s("/d")),
+                Unlink(s("/d/e/x")),
+                Rmdir(s("/d/e")),
+                Create(s("/d/e")),
+                Write(s("/d/e"), 0, 3000, 70),
+                Fsync(s("/d")),
+                Fsync(s("/d/e")),
+            ],
+        ),
+        (
             "symlinks made, replaced and moved, their directory fsynced",
             vec![
                 Mkdir(s("/d")),
