@@ -328,12 +328,13 @@ enum Promise {
         data_only: bool,
     },
     Dir {
+        id: u64,
+        /// Its inode number, to find it wherever later operations moved it.
+        ino: u64,
         path: String,
     },
     /// A snapshot taken or deleted: (un)done for good once the call returned.
-    Snapshot {
-        name: &'static str,
-    },
+    Snapshot { name: &'static str },
 }
 
 struct Run {
@@ -568,7 +569,11 @@ fn fsync_promise(fs: &Fs, m: &Model, op: &Op) -> Option<Promise> {
     };
     let id = m.names[p];
     Some(if m.nodes[&id].dir {
-        Promise::Dir { path: p.clone() }
+        Promise::Dir {
+            id,
+            ino: fs.resolve(p).unwrap().ino,
+            path: p.clone(),
+        }
     } else {
         Promise::File {
             id,
@@ -760,40 +765,62 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                     _ => {}
                 }
             }
-            Promise::Dir { path } => {
-                let then = later[0].children(path);
-                // Once a later operation moved the directory away, or put something
-                // else at its path, the path may name either.
-                let id = later[0].names.get(path);
-                if later.iter().any(|m| m.names.get(path) != id) {
-                    continue;
-                }
-                let d = fs.resolve(path).unwrap_or_else(|e| {
-                    panic!("{what}: fsynced dir {path} gone: {e}\nops: {:?}", run.ops)
+            Promise::Dir { id, ino, path } => {
+                // Where the directory is in each state since (one name, if any), and
+                // its entries there: later operations may move it.
+                let at: Vec<Option<&String>> = later
+                    .iter()
+                    .map(|m| m.names.iter().find(|(_, v)| *v == id).map(|(k, _)| k))
+                    .collect();
+                let entries: Vec<Option<BTreeMap<String, u64>>> = later
+                    .iter()
+                    .zip(&at)
+                    .map(|(m, p)| p.map(|p| m.children(p)))
+                    .collect();
+                let then = entries[0].as_ref().unwrap();
+                let names: std::collections::BTreeSet<&String> =
+                    at.iter().flatten().copied().collect();
+                let found = names.iter().find_map(|n| {
+                    fs.resolve(n)
+                        .ok()
+                        .filter(|a| a.ino == *ino)
+                        .map(|a| (*n, a))
                 });
+                let Some((now_at, d)) = found else {
+                    assert!(
+                        at.iter().any(|p| p.is_none()),
+                        "{what}: fsynced dir {path} (op {i}) is reachable by none of its names {names:?}\nops: {:?}",
+                        run.ops
+                    );
+                    continue;
+                };
                 let mut now = std::collections::BTreeSet::new();
                 for e in fs.readdir(d.ino, 0, 100_000).unwrap() {
                     now.insert(String::from_utf8(e.name).unwrap());
                 }
-                for (name, id) in &then {
-                    let full = if path == "/" {
+                let join = |dir: &str, name: &str| {
+                    if dir == "/" {
                         format!("/{name}")
                     } else {
-                        format!("{path}/{name}")
-                    };
-                    let stable = later.iter().all(|m| m.names.get(&full) == Some(id));
+                        format!("{dir}/{name}")
+                    }
+                };
+                for (name, cid) in then {
+                    let stable = entries
+                        .iter()
+                        .all(|e| e.as_ref().is_some_and(|e| e.get(name) == Some(cid)));
                     assert!(
                         !stable || now.contains(name),
-                        "{what}: entry {full} of fsynced dir lost\nops: {:?}",
+                        "{what}: entry {name} of dir {path} (fsynced at op {i}; now at {now_at}) lost\nops: {:?}",
                         run.ops
                     );
-                    let node = &later[0].nodes[id];
+                    let node = &later[0].nodes[cid];
                     if stable && node.symlink {
-                        let a = fs.resolve(&full).unwrap();
+                        let a = fs.resolve(&join(now_at, name)).unwrap();
                         assert_eq!(
                             fs.readlink(a.ino).ok().as_ref(),
                             Some(&node.data),
-                            "{what}: symlink {full} of fsynced dir has another target\nops: {:?}",
+                            "{what}: symlink {name} of fsynced dir {path} has another target\nops: {:?}",
                             run.ops
                         );
                     }
@@ -802,15 +829,13 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                     if name == "." || name == ".." || then.contains_key(name) {
                         continue;
                     }
-                    let full = if path == "/" {
-                        format!("/{name}")
-                    } else {
-                        format!("{path}/{name}")
-                    };
-                    let ever = later.iter().any(|m| m.names.contains_key(&full));
+                    let ever = entries
+                        .iter()
+                        .any(|e| e.as_ref().is_some_and(|e| e.contains_key(name)));
                     assert!(
                         ever,
-                        "{what}: {full} was removed before the dir fsync but is back\nops: {:?}",
+                        "{what}: {} was removed before the dir fsync (op {i}) but is back\nops: {:?}",
+                        join(now_at, name),
                         run.ops
                     );
                 }
@@ -1517,6 +1542,8 @@ fn known_hard_cases_survive_every_power_cut() {
 const OP_KINDS: u32 = 18;
 /// Kinds that take or delete a snapshot (of every thread's names at once).
 const SNAPSHOT_KINDS: [u32; 2] = [10, 11];
+/// The kind that clones one file over another.
+const CLONE_KIND: u32 = 9;
 /// The kind that trims (and so commits first).
 const TRIM_KIND: u32 = 12;
 
@@ -1577,7 +1604,7 @@ fn random_op(rng: &mut StdRng, m: &Model, top: &str, kind: u32) -> Op {
             rng.gen_range(1..30000),
             rng.gen(),
         ),
-        9 => Op::Clone(f, g),
+        CLONE_KIND => Op::Clone(f, g),
         10 => Op::Snapshot(if rng.gen() { "s" } else { "t" }),
         11 => Op::DeleteSnapshot(if rng.gen() { "s" } else { "t" }),
         TRIM_KIND => Op::Trim,
@@ -1742,6 +1769,13 @@ fn namespace_changes_of_threads_survive_every_power_cut() {
                         let kind = rng.gen_range(0..OP_KINDS);
                         if SNAPSHOT_KINDS.contains(&kind) {
                             continue; // a snapshot would take the others' names too
+                        }
+                        if kind == CLONE_KIND {
+                            // A clone is done in steps (head, whole blocks a few
+                            // extents at a time, tail), and another thread's commit
+                            // may land between two: a crash before the file's next
+                            // fsync can find it part done, as on btrfs and XFS.
+                            continue;
                         }
                         if kind == TRIM_KIND && !rng.gen_ratio(1, 8) {
                             continue; // always valid, and it commits: now and then
