@@ -4,10 +4,12 @@
 //! mount it, and compare with what had been fsynced.
 //!
 //! The oracle: after fsync(file) returned, the file's data and attributes as of that
-//! fsync (or any later version of them) and the name it was fsynced under (unless a
-//! later operation moved that name) survive; after fsync(dir) returned, its entries
+//! fsync (or any later version of them) and the name it was fsynced under survive;
+//! once a later operation moved that name, some name the file had since still reaches
+//! it with such data (after fdatasync, which keeps no names, any name it had), unless
+//! a later operation removed its last name. After fsync(dir) returned, its entries
 //! survive, and the names it no longer had stay gone (unless later operations changed
-//! them again).
+//! them again), wherever later renames took the directory.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
