@@ -145,6 +145,77 @@ fn kill_9_rounds(m: &mut Mount, big: bool) {
     m.unmount();
 }
 
+/// The atomic replace that applications use to save a file (write a temporary file,
+/// fsync it, rename it over the target, fsync the directory), by four threads at once
+/// with kill -9 of the daemon in the middle, twice: after a remount each target holds,
+/// whole, the last version whose directory fsync returned or a later one its thread
+/// went on to rename; never a mix, never nothing (and `check` is clean at the end).
+#[test]
+fn kill_9_during_atomic_replaces_keeps_every_acknowledged_version_whole() {
+    const TARGETS: usize = 4;
+    let mut m = Mount::new();
+    for round in 0..2 {
+        // (thread, target) -> the version acknowledged, and the last one renamed.
+        let acked: Arc<Mutex<BTreeMap<(usize, usize), usize>>> = Arc::default();
+        let renamed: Arc<Mutex<BTreeMap<(usize, usize), usize>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut hs = Vec::new();
+        for t in 0..4 {
+            let dir = m.path(format!("r{round}t{t}"));
+            fs::create_dir(&dir).unwrap();
+            File::open(m.root()).unwrap().sync_all().unwrap();
+            let (acked, renamed, stop) = (acked.clone(), renamed.clone(), stop.clone());
+            hs.push(std::thread::spawn(move || {
+                let mut gen = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    gen += 1;
+                    let target = gen % TARGETS;
+                    let tmp = dir.join(format!("f{target}.tmp"));
+                    let r = (|| -> std::io::Result<()> {
+                        let mut f = File::create(&tmp)?;
+                        f.write_all(&content(t, target, gen, false))?;
+                        f.sync_all()?;
+                        renamed.lock().unwrap().insert((t, target), gen);
+                        fs::rename(&tmp, dir.join(format!("f{target}")))?;
+                        File::open(&dir)?.sync_all()
+                    })();
+                    if r.is_err() {
+                        break;
+                    }
+                    acked.lock().unwrap().insert((t, target), gen);
+                }
+            }));
+        }
+        std::thread::sleep(Duration::from_millis(600 + 400 * round as u64));
+        m.kill_daemon();
+        stop.store(true, Ordering::Relaxed);
+        for h in hs {
+            h.join().unwrap();
+        }
+        m.mount();
+        let acked = acked.lock().unwrap();
+        let renamed = renamed.lock().unwrap();
+        assert!(
+            acked.len() == 4 * TARGETS,
+            "workload made too little progress: {acked:?}"
+        );
+        for (&(t, target), &gen) in acked.iter() {
+            let p = m.path(format!("r{round}t{t}/f{target}"));
+            let got = fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            let last = renamed[&(t, target)];
+            assert!(
+                (gen..=last)
+                    .step_by(TARGETS)
+                    .any(|g| got == content(t, target, g, false)),
+                "{} ({} bytes) holds neither version {gen}, whose directory fsync returned, nor a later one (up to {last}), whole",
+                p.display(),
+                got.len()
+            );
+        }
+    }
+    m.unmount();
+}
+
 /// The image offset of the first data block of `rel`, found through the library.
 fn first_block(m: &Mount, rel: &str) -> u64 {
     let fs = birchfs::Fs::open_path(
