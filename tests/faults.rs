@@ -63,6 +63,23 @@ fn kill_9_during_fsyncs_with_a_log_past_the_second_superblock_copy_loses_nothing
     );
 }
 
+/// Lets the `workers` run for `wait`, kills the daemon (kill -9) under them, stops them
+/// (they see errors, or `stop`) and mounts again.
+fn kill_while_running(
+    m: &mut Mount,
+    wait: Duration,
+    stop: &AtomicBool,
+    workers: Vec<std::thread::JoinHandle<()>>,
+) {
+    std::thread::sleep(wait);
+    m.kill_daemon();
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    m.mount();
+}
+
 /// Three rounds of: four threads create and overwrite files with an fsync each (and
 /// now and then one of their directory), kill -9 of the daemon, then every
 /// acknowledged file must hold what was fsynced (or a part of a later attempt).
@@ -104,13 +121,12 @@ fn kill_9_rounds(m: &mut Mount, big: bool) {
                 }
             }));
         }
-        std::thread::sleep(Duration::from_millis(700 + 400 * round as u64));
-        m.kill_daemon();
-        stop.store(true, Ordering::Relaxed);
-        for h in hs {
-            h.join().unwrap();
-        }
-        m.mount();
+        kill_while_running(
+            m,
+            Duration::from_millis(700 + 400 * round as u64),
+            &stop,
+            hs,
+        );
         let acked = acked.lock().unwrap();
         let tried = tried.lock().unwrap();
         assert!(
@@ -186,13 +202,12 @@ fn kill_9_during_atomic_replaces_keeps_every_acknowledged_version_whole() {
                 }
             }));
         }
-        std::thread::sleep(Duration::from_millis(600 + 400 * round as u64));
-        m.kill_daemon();
-        stop.store(true, Ordering::Relaxed);
-        for h in hs {
-            h.join().unwrap();
-        }
-        m.mount();
+        kill_while_running(
+            &mut m,
+            Duration::from_millis(600 + 400 * round as u64),
+            &stop,
+            hs,
+        );
         let acked = acked.lock().unwrap();
         let renamed = renamed.lock().unwrap();
         assert!(
