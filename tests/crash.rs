@@ -133,6 +133,13 @@ impl Model {
             .get(p)
             .is_some_and(|id| !self.nodes[id].dir && !self.nodes[id].symlink)
     }
+    /// The names `id` has.
+    fn names_of(&self, id: u64) -> impl Iterator<Item = &String> {
+        self.names
+            .iter()
+            .filter(move |(_, v)| **v == id)
+            .map(|(k, _)| k)
+    }
     /// Whether `p` is strictly below `dir`.
     fn under(dir: &str, p: &str) -> bool {
         p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/'
@@ -662,50 +669,22 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                 data_only,
             } => {
                 let stable = later.iter().all(|m| m.names.get(path) == Some(id));
-                if *data_only && stable && fs.resolve(path).map_or(true, |a| a.ino != *ino) {
-                    // fdatasync keeps data, not names: a name the inode had before (a
-                    // rename is not data) must reach it, with the data intact. The
-                    // path may be gone, or still name the file a rename replaced.
-                    let names: std::collections::BTreeSet<&String> = run
-                        .history
-                        .iter()
-                        .flat_map(|m| m.names.iter().filter(|(_, v)| *v == id).map(|(k, _)| k))
-                        .collect();
-                    let found = names.iter().any(|n| {
-                        fs.resolve(n).is_ok_and(|a| {
-                            if a.ino != *ino {
-                                return false;
-                            }
-                            let d = fs
-                                .read(a.ino, 0, (a.size as u32).max(1))
-                                .unwrap_or_default();
-                            later
-                                .iter()
-                                .filter_map(|m| m.nodes.get(id))
-                                .any(|v| v.data == d)
-                        })
-                    });
-                    assert!(
-                        found,
-                        "{what}: fdatasynced data of {path} (op {i}) is unreachable\nops: {:?}",
-                        run.ops
-                    );
-                    continue;
-                }
-                if !stable {
-                    // Later operations moved or replaced the name. Unless one of them
-                    // took the file's last name, some name it had since the fsync
-                    // (the old one or a new one; after an fdatasync, which keeps no
-                    // names, also one from before) still reaches it.
-                    let kept = later.iter().all(|m| m.names.values().any(|v| v == id));
-                    let since = if *data_only { &run.history[..] } else { later };
-                    let names: std::collections::BTreeSet<&String> = since
-                        .iter()
-                        .flat_map(|m| m.names.iter().filter(|(_, v)| *v == id).map(|(k, _)| k))
-                        .collect();
-                    if !kept {
+                // The path no longer leads to the file: later operations moved or
+                // replaced the name, or (fdatasync keeps data, not names: a rename is
+                // not data) the name it was fdatasynced under did not last; the path
+                // may be gone, or still name the file a rename replaced.
+                let moved =
+                    !stable || *data_only && fs.resolve(path).map_or(true, |a| a.ino != *ino);
+                if moved {
+                    // Unless a later operation took the file's last name, some name it
+                    // had since the fsync (after an fdatasync, any name it had) still
+                    // reaches it, and it holds its data as of the fsync or later.
+                    if !later.iter().all(|m| m.names_of(*id).next().is_some()) {
                         continue;
                     }
+                    let since = if *data_only { &run.history[..] } else { later };
+                    let names: std::collections::BTreeSet<&String> =
+                        since.iter().flat_map(|m| m.names_of(*id)).collect();
                     let found = names
                         .iter()
                         .find_map(|n| fs.resolve(n).ok().filter(|a| a.ino == *ino));
@@ -715,11 +694,10 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                             run.ops
                         );
                     };
-                    // Wherever it is, it holds its data as of the fsync or later.
                     let d = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
                     assert!(
                         later.iter().filter_map(|m| m.nodes.get(id)).any(|v| v.data == d),
-                        "{what}: moved {path} (fsynced at op {i}) has {} bytes: no version since the fsync matches\nops: {:?}",
+                        "{what}: {path} (fsynced at op {i}), found elsewhere, has {} bytes: no version since the fsync matches\nops: {:?}",
                         d.len(),
                         run.ops
                     );
@@ -770,10 +748,8 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
             Promise::Dir { id, ino, path } => {
                 // Where the directory is in each state since (one name, if any), and
                 // its entries there: later operations may move it.
-                let at: Vec<Option<&String>> = later
-                    .iter()
-                    .map(|m| m.names.iter().find(|(_, v)| *v == id).map(|(k, _)| k))
-                    .collect();
+                let at: Vec<Option<&String>> =
+                    later.iter().map(|m| m.names_of(*id).next()).collect();
                 let entries: Vec<Option<BTreeMap<String, u64>>> = later
                     .iter()
                     .zip(&at)
