@@ -818,3 +818,126 @@ fn a_block_failing_its_checksum_reads_as_an_error_every_time() {
     }
     assert!(fs.read(ino, bad, 4096).is_err());
 }
+
+/// A memory device whose writes wait while its gate is closed.
+struct Gated {
+    dev: MemDev,
+    /// Whether writes wait, and how many are waiting.
+    gate: parking_lot::Mutex<(bool, usize)>,
+    cv: parking_lot::Condvar,
+}
+
+impl Gated {
+    fn new(dev: MemDev) -> Gated {
+        Gated {
+            dev,
+            gate: parking_lot::Mutex::new((false, 0)),
+            cv: parking_lot::Condvar::new(),
+        }
+    }
+    fn set_closed(&self, closed: bool) {
+        self.gate.lock().0 = closed;
+        self.cv.notify_all();
+    }
+    fn pass(&self) {
+        let mut g = self.gate.lock();
+        g.1 += 1;
+        self.cv.notify_all();
+        while g.0 {
+            self.cv.wait(&mut g);
+        }
+        g.1 -= 1;
+    }
+    /// Waits (up to a minute) until a write waits at the gate.
+    fn until_a_write_waits(&self) -> bool {
+        let end = std::time::Instant::now() + Duration::from_secs(60);
+        let mut g = self.gate.lock();
+        while g.1 == 0 {
+            if self.cv.wait_until(&mut g, end).timed_out() {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+impl BlockDev for Gated {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        self.dev.read_at(buf, off)
+    }
+    fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        self.pass();
+        self.dev.write_at(buf, off)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.dev.flush()
+    }
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+}
+
+/// While a writeback waits for the device, readers of the folio being written back,
+/// of other folios of its file (cached or not) and of other files go on, and so does
+/// a writer of another folio: writeback does its I/O holding no lock they need.
+#[test]
+fn readers_and_writers_go_on_while_a_writeback_waits_for_the_device() {
+    let o = Options {
+        commit_interval: Duration::ZERO,
+        ..opts(64 * MB, 64 << 10, true)
+    };
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let (a, b) = (file(&fs, b"a"), file(&fs, b"b"));
+    let (mut da, db) = (pattern(MB as usize, 1), pattern(256 << 10, 2));
+    fs.write(a, 0, &da).unwrap();
+    fs.write(b, 0, &db).unwrap();
+    fs.unmount().unwrap();
+    let gated = Arc::new(Gated::new(MemDev::from_image(dev.image())));
+    let fs = Arc::new(Fs::open(gated.clone(), o.clone()).unwrap());
+    let folio = 64 << 10;
+    assert_eq!(
+        fs.read(a, 2 * folio, 4096).unwrap(),
+        &da[2 * folio as usize..][..4096]
+    );
+    let new = pattern(BS as usize, 3);
+    fs.write(a, 0, &new).unwrap();
+    da[..BS as usize].copy_from_slice(&new);
+
+    gated.set_closed(true);
+    let syncer = {
+        let fs = fs.clone();
+        std::thread::spawn(move || fs.fsync(a, false))
+    };
+    assert!(gated.until_a_write_waits(), "the fsync never wrote");
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let fs = fs.clone();
+        let (da, db) = (da.clone(), db.clone());
+        std::thread::spawn(move || {
+            let read =
+                |ino, off: u64, want: &[u8]| fs.read(ino, off, want.len() as u32).unwrap() == want;
+            let at = |d: &[u8], off: u64| d[off as usize..][..BS as usize].to_vec();
+            let ok = read(a, 0, &at(&da, 0))
+                && read(a, 2 * folio, &at(&da, 2 * folio))
+                && read(a, 9 * folio, &at(&da, 9 * folio))
+                && read(b, 3 * folio, &at(&db, 3 * folio))
+                && fs.write(a, 5 * folio, &[7; BS as usize]).is_ok()
+                && read(a, 5 * folio, &[7; BS as usize]);
+            let _ = tx.send(ok);
+        });
+    }
+    let went_on = rx.recv_timeout(Duration::from_secs(30));
+    gated.set_closed(false);
+    assert_eq!(
+        went_on,
+        Ok(true),
+        "reads and writes waited for the writeback"
+    );
+    syncer.join().unwrap().unwrap();
+    da[5 * folio as usize..][..BS as usize].fill(7);
+    let fs = Arc::try_unwrap(fs).ok().unwrap();
+    fs.unmount().unwrap();
+    let fs = Fs::open(Arc::new(MemDev::from_image(gated.dev.image())), o).unwrap();
+    assert!(fs.read(a, 0, MB as u32).unwrap() == da);
+    assert!(fs.read(b, 0, 256 << 10).unwrap() == db);
+}
