@@ -262,6 +262,15 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
         entered: HashSet::new(),
         counted_extents: Vec::new(),
     };
+    if sb.total_bytes > dev.size() {
+        w.problem(format!(
+            "the image is {} bytes but its superblock says {} (cut short?): a mount \
+             refuses it, and what lay past its end is lost; `birchfs restore` copies \
+             out the rest",
+            dev.size(),
+            sb.total_bytes
+        ));
+    }
     for &off in SUPER_OFFSETS
         .iter()
         .filter(|&&o| o + SUPER_SIZE as u64 <= sb.total_bytes)
@@ -871,6 +880,21 @@ mod tests {
         let rep = check(dev.as_ref()).unwrap();
         assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
         assert!(rep.nodes > 3 && rep.inodes == 302 && rep.data_blocks >= 600);
+    }
+
+    /// An image cut short is a problem although every node it still holds is whole
+    /// (the mount refuses it), and the check still checks what is left.
+    #[test]
+    fn an_image_cut_short_is_a_problem() {
+        let mut img = populated().image();
+        img.truncate(img.len() - (8 << 20));
+        let rep = check(&MemDev::from_image(img)).unwrap();
+        assert!(
+            rep.problems.iter().any(|p| p.contains("cut short")),
+            "{:#?}",
+            rep.problems
+        );
+        assert!(rep.inodes == 302, "{rep:?}");
     }
 
     /// After a crash, fsyncs since the last commit sit in the log: the check says so

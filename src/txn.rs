@@ -316,7 +316,8 @@ impl Store {
         let sb = Store::read_super(dev.as_ref())?;
         if sb.total_bytes > dev.size() {
             return Err(Error::BadImage(format!(
-                "image is {} bytes but its superblock says {}",
+                "image is {} bytes but its superblock says {} (cut short?); \
+                 `birchfs restore` copies out what is left",
                 dev.size(),
                 sb.total_bytes
             )));
