@@ -60,6 +60,39 @@ pub fn has_birchfs_magic(dev: &dyn BlockDev) -> bool {
     })
 }
 
+/// Signatures of other filesystems, volumes and partition tables, as blkid finds
+/// them: what they are, the offset, the bytes there.
+const FOREIGN: &[(&str, u64, &[u8])] = &[
+    ("an ext2/3/4 filesystem", 1080, &[0x53, 0xef]),
+    ("an XFS filesystem", 0, b"XFSB"),
+    ("a btrfs filesystem", 0x10040, b"_BHRfS_M"),
+    ("an F2FS filesystem", 1024, &[0x10, 0x20, 0xf5, 0xf2]),
+    ("an NTFS filesystem", 3, b"NTFS    "),
+    ("a squashfs image", 0, b"hsqs"),
+    ("an ISO 9660 image", 0x8001, b"CD001"),
+    ("a swap area", 4086, b"SWAPSPACE2"),
+    ("a LUKS volume", 0, b"LUKS\xba\xbe"),
+    ("an LVM physical volume", 512, b"LABELONE"),
+    ("a GPT partition table", 512, b"EFI PART"),
+    (
+        "an MBR partition table or a FAT boot sector",
+        510,
+        &[0x55, 0xaa],
+    ),
+];
+
+/// What other filesystem, volume or partition table `dev` seems to hold (by the
+/// signatures blkid looks for), if any: mkfs refuses to overwrite it unforced.
+pub fn foreign_signature(dev: &dyn BlockDev) -> Option<&'static str> {
+    FOREIGN.iter().find_map(|&(what, off, magic)| {
+        let mut b = vec![0u8; magic.len()];
+        let found = off + magic.len() as u64 <= dev.size()
+            && dev.read_at(&mut b, off).is_ok()
+            && b == magic;
+        found.then_some(what)
+    })
+}
+
 struct Walker<'a> {
     dev: &'a dyn BlockDev,
     sb: Superblock,
@@ -880,6 +913,20 @@ mod tests {
         let rep = check(dev.as_ref()).unwrap();
         assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
         assert!(rep.nodes > 3 && rep.inodes == 302 && rep.data_blocks >= 600);
+    }
+
+    #[test]
+    fn other_filesystems_and_partition_tables_are_recognised() {
+        let dev = MemDev::new(64 << 20);
+        assert_eq!(foreign_signature(&dev), None);
+        dev.write_at(&[0x53, 0xef], 1080).unwrap();
+        assert_eq!(foreign_signature(&dev), Some("an ext2/3/4 filesystem"));
+        let dev = MemDev::new(64 << 20);
+        dev.write_at(b"_BHRfS_M", 0x10040).unwrap();
+        assert_eq!(foreign_signature(&dev), Some("a btrfs filesystem"));
+        // Nor is birchfs one, nor a device too small to hold a signature.
+        assert_eq!(foreign_signature(populated().as_ref()), None);
+        assert_eq!(foreign_signature(&MemDev::new(16)), None);
     }
 
     /// An image cut short is a problem although every node it still holds is whole

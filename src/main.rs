@@ -449,6 +449,14 @@ fn mkfs_on(
             image.display()
         );
     }
+    if exists && !force {
+        if let Some(what) = birchfs::check::foreign_signature(&dev) {
+            bail!(
+                "{} appears to hold {what}; use --force to overwrite it",
+                image.display()
+            );
+        }
+    }
     let meta =
         std::fs::metadata(image).with_context(|| format!("cannot open {}", image.display()))?;
     let is_file = meta.file_type().is_file();

@@ -230,6 +230,12 @@ impl Store {
             &super_holes(size),
             reserve_for(size),
         );
+        // Zeros over the first MiB (birchfs's superblock there is written at the
+        // commit) and the last, as wipefs would: no signature of another filesystem,
+        // volume or partition table outlives mkfs, where blkid, udev or mount would
+        // find it and take the device for that (an ext4 superblock at 1080 did).
+        crate::dev::write_zeros(dev.as_ref(), 0, LOG_START)?;
+        crate::dev::write_zeros(dev.as_ref(), size - (1 << 20), 1 << 20)?;
         // Zeros over the log area, as mkfs.ext4 writes its journal: on a sparse image (or
         // a loop device over one) each fsync's log append would otherwise land in a hole,
         // and the host would allocate the block and commit its own journal before the

@@ -3472,6 +3472,51 @@ fn mount_refuses_a_file_that_is_not_birchfs() {
     );
 }
 
+/// mkfs will not overwrite another filesystem unforced (ext4 here, as mkfs.ext4 makes
+/// it), and once forced, leaves no trace of it where blkid would find it.
+#[test]
+fn mkfs_refuses_another_filesystem_without_force_and_wipes_it_with_force() {
+    use std::os::unix::fs::FileExt;
+    let m = Mount::bare();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(m.image())
+        .unwrap();
+    f.set_len(64 << 20).unwrap();
+    let made = Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(m.image())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !made {
+        eprintln!("note: no mkfs.ext4 here; writing an ext4 signature by hand");
+        f.write_all_at(&[0x53, 0xef], 1080).unwrap();
+    }
+    let magic = |f: &fs::File| {
+        let mut b = [0u8; 2];
+        f.read_exact_at(&mut b, 1080).unwrap();
+        b
+    };
+    let out = m.mkfs(&[]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("ext2/3/4"),
+        "mkfs overwrote an ext4 image without --force:\n{}",
+        describe(&out)
+    );
+    assert_eq!(magic(&f), [0x53, 0xef], "the refused mkfs wrote");
+    let out = m.mkfs(&["--force"]);
+    assert!(out.status.success(), "mkfs --force:\n{}", describe(&out));
+    assert_eq!(magic(&f), [0, 0], "the ext4 signature survived mkfs");
+    if let Ok(out) = Command::new("blkid").arg("-p").arg(m.image()).output() {
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(!said.contains("TYPE="), "blkid still finds: {said}");
+    }
+    let c = m.check();
+    assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
+}
+
 #[test]
 fn mkfs_refuses_an_existing_image_without_force() {
     let mut m = Mount::new();

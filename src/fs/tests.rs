@@ -563,6 +563,28 @@ fn mkfs_writes_zeros_over_the_log_area_and_old_bytes_there_replay_nothing() {
     assert!(problems_after_unmount(&dev, fs).is_empty());
 }
 
+/// mkfs leaves no other filesystem's or partition table's signature behind (blkid
+/// would take the device for that): the first MiB but birchfs's superblock and the
+/// last MiB hold zeros.
+#[test]
+fn mkfs_wipes_the_signatures_of_what_the_device_held() {
+    let mut img = vec![0xA5; (64 * MB) as usize];
+    img[1080..1082].copy_from_slice(&[0x53, 0xef]);
+    img[512..520].copy_from_slice(b"EFI PART");
+    let dev = Arc::new(MemDev::from_image(img));
+    assert!(crate::check::foreign_signature(dev.as_ref()).is_some());
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    assert_eq!(crate::check::foreign_signature(dev.as_ref()), None);
+    let img = dev.image();
+    let sb = crate::format::SUPER_OFFSETS[0] as usize;
+    let sb_end = sb + crate::format::SUPER_SIZE;
+    assert!(img[..sb].iter().all(|&b| b == 0));
+    assert!(img[sb_end..MB as usize].iter().all(|&b| b == 0));
+    assert!(img[img.len() - MB as usize..].iter().all(|&b| b == 0));
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    assert!(problems_after_unmount(&dev, fs).is_empty());
+}
+
 /// With 4 KiB nodes an item holds less than with the default 16 KiB ones: a large
 /// xattr or a long symlink target is refused with an error, never written into a node
 /// it does not fit (which panicked at commit).
