@@ -927,6 +927,14 @@ mod tests {
         // Nor is birchfs one, nor a device too small to hold a signature.
         assert_eq!(foreign_signature(populated().as_ref()), None);
         assert_eq!(foreign_signature(&MemDev::new(16)), None);
+        // Which the refusal to check (or mount) it says.
+        let dev = MemDev::new(64 << 20);
+        dev.write_at(b"XFSB", 0).unwrap();
+        let e = check(&dev).unwrap_err().to_string();
+        assert!(
+            e.contains("no magic") && e.contains("an XFS filesystem"),
+            "{e}"
+        );
     }
 
     /// An image cut short is a problem although every node it still holds is whole

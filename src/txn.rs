@@ -311,7 +311,14 @@ impl Store {
         }
         match (best, first_err) {
             (Some(sb), _) => Ok(sb),
-            (None, Some(Error::BadImage(m))) => Err(Error::BadImage(m)),
+            (None, Some(Error::BadImage(m))) => Err(Error::BadImage(
+                match crate::check::foreign_signature(dev) {
+                    Some(what) if !crate::check::has_birchfs_magic(dev) => {
+                        format!("{m}; it appears to hold {what}")
+                    }
+                    _ => m,
+                },
+            )),
             (None, Some(e)) => Err(Error::BadImage(format!("no valid superblock: {e}"))),
             (None, None) => Err(Error::BadImage("device too small for birchfs".into())),
         }
