@@ -3472,6 +3472,35 @@ fn mount_refuses_a_file_that_is_not_birchfs() {
     );
 }
 
+/// A block device set read-only is refused a read-write mount with a hint (it opens
+/// for writing, and the first write failed with EPERM, "I/O error"), and mounts `ro`.
+#[test]
+fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
+    let mut m = Mount::on_loop_device("256M");
+    fs::write(m.path("f"), b"kept").unwrap();
+    m.unmount();
+    let dev = m.image().to_path_buf();
+    let blockdev = |flag: &str| {
+        let out = run(
+            Command::new("blockdev").arg(flag).arg(&dev),
+            Duration::from_secs(30),
+        );
+        assert!(out.status.success(), "blockdev {flag}:\n{}", describe(&out));
+    };
+    blockdev("--setro");
+    let out = m.try_mount(&[]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success() && err.contains("Read-only") && err.contains("-o ro"),
+        "a read-write mount of a read-only device:\n{}",
+        describe(&out)
+    );
+    m.mount_with(&["ro"]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
+    m.unmount();
+    blockdev("--setrw");
+}
+
 /// mkfs will not overwrite another filesystem unforced (ext4 here, as mkfs.ext4 makes
 /// it), and once forced, leaves no trace of it where blkid would find it.
 #[test]

@@ -121,6 +121,10 @@ impl FileDev {
         }
         let size = file.seek(SeekFrom::End(0))?;
         let bdev = file.metadata()?.file_type().is_block_device();
+        if writable && bdev && read_only_bdev(&file) {
+            // It opens for writing all the same, and every write fails (EPERM).
+            return Err(io::Error::from_raw_os_error(libc::EROFS));
+        }
         let direct = if writable {
             use std::os::unix::fs::OpenOptionsExt;
             OpenOptions::new()
@@ -208,6 +212,16 @@ impl FileDev {
 }
 
 /// Whether `len` bytes at `off` are whole direct-I/O blocks.
+/// Whether the block device `f` is set read-only (`blockdev --setro`, `losetup -r`).
+fn read_only_bdev(f: &File) -> bool {
+    /// `BLKROGET`, `_IO(0x12, 94)`.
+    const BLKROGET: libc::c_ulong = 0x125e;
+    let mut ro: libc::c_int = 0;
+    // SAFETY: BLKROGET writes one int through the pointer, which is valid.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), BLKROGET, &mut ro) };
+    rc == 0 && ro != 0
+}
+
 fn aligned(len: usize, off: u64) -> bool {
     len % DIRECT_ALIGN == 0 && off % DIRECT_ALIGN as u64 == 0
 }
