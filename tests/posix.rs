@@ -3479,15 +3479,31 @@ fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
     let mut m = Mount::on_loop_device("256M");
     fs::write(m.path("f"), b"kept").unwrap();
     m.unmount();
-    let dev = m.image().to_path_buf();
-    let blockdev = |flag: &str| {
-        let out = run(
-            Command::new("blockdev").arg(flag).arg(&dev),
+    /// Sets the device read-only until dropped: the flag outlives `losetup -d`, and
+    /// later tests would get a read-only loop device.
+    struct ReadOnly(PathBuf);
+    fn blockdev(flag: &str, dev: &Path) -> std::process::Output {
+        run(
+            Command::new("blockdev").arg(flag).arg(dev),
             Duration::from_secs(30),
-        );
-        assert!(out.status.success(), "blockdev {flag}:\n{}", describe(&out));
-    };
-    blockdev("--setro");
+        )
+    }
+    impl Drop for ReadOnly {
+        fn drop(&mut self) {
+            let out = blockdev("--setrw", &self.0);
+            if !out.status.success() {
+                eprintln!("blockdev --setrw {}:\n{}", self.0.display(), describe(&out));
+            }
+        }
+    }
+    let dev = m.image().to_path_buf();
+    let out = blockdev("--setro", &dev);
+    let ro = ReadOnly(dev);
+    assert!(
+        out.status.success(),
+        "blockdev --setro:\n{}",
+        describe(&out)
+    );
     let out = m.try_mount(&[]);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(
@@ -3498,7 +3514,7 @@ fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
     m.mount_with(&["ro"]);
     assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
     m.unmount();
-    blockdev("--setrw");
+    drop(ro);
 }
 
 /// mkfs will not overwrite another filesystem unforced (ext4 here, as mkfs.ext4 makes
