@@ -910,7 +910,7 @@ fn readers_and_writers_go_on_while_a_writeback_waits_for_the_device() {
     };
     assert!(gated.until_a_write_waits(), "the fsync never wrote");
     let (tx, rx) = std::sync::mpsc::channel();
-    {
+    let other = {
         let fs = fs.clone();
         let (da, db) = (da.clone(), db.clone());
         std::thread::spawn(move || {
@@ -924,8 +924,8 @@ fn readers_and_writers_go_on_while_a_writeback_waits_for_the_device() {
                 && fs.write(a, 5 * folio, &[7; BS as usize]).is_ok()
                 && read(a, 5 * folio, &[7; BS as usize]);
             let _ = tx.send(ok);
-        });
-    }
+        })
+    };
     let went_on = rx.recv_timeout(Duration::from_secs(30));
     gated.set_closed(false);
     assert_eq!(
@@ -934,6 +934,7 @@ fn readers_and_writers_go_on_while_a_writeback_waits_for_the_device() {
         "reads and writes waited for the writeback"
     );
     syncer.join().unwrap().unwrap();
+    other.join().unwrap();
     da[5 * folio as usize..][..BS as usize].fill(7);
     let fs = Arc::try_unwrap(fs).ok().unwrap();
     fs.unmount().unwrap();
