@@ -4553,6 +4553,42 @@ fn mkfs_preallocate_writes_the_whole_image_and_mounts() {
 // SEEK_DATA / SEEK_HOLE
 // ---------------------------------------------------------------------------
 
+/// A write the kernel takes, up to its largest file size (8 EiB for FUSE), is stored:
+/// the fsync succeeds and the data is there after a remount (past 1 PiB, birchfs's
+/// limit before, the kernel took such writes into its cache and the fsync failed).
+#[test]
+fn files_grow_to_the_kernels_largest_size() {
+    let max = i64::MAX as u64;
+    let mut m = Mount::new();
+    let p = m.path("huge");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&p)
+        .unwrap();
+    let tail = pattern(5, 70_000);
+    f.write_all_at(tail, max - tail.len() as u64).unwrap();
+    f.write_all_at(b"middle", 1 << 62).unwrap();
+    f.sync_all()
+        .expect("fsync of a file written up to the largest size");
+    drop(f);
+    m.remount();
+    let f = File::open(&p).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), max);
+    let mut got = vec![0u8; tail.len()];
+    f.read_exact_at(&mut got, max - tail.len() as u64).unwrap();
+    assert!(got == tail, "the last 70,000 bytes differ");
+    let mut mid = [0u8; 6];
+    f.read_exact_at(&mut mid, 1 << 62).unwrap();
+    assert_eq!(&mid, b"middle");
+    assert_eq!(seek(&f, 0, libc::SEEK_DATA), Ok(1 << 62));
+    drop(f);
+    m.unmount();
+    let c = m.check();
+    assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
+}
+
 /// lseek with `whence` on `f`: the offset, or the errno.
 fn seek(f: &File, off: u64, whence: i32) -> Result<u64, i32> {
     let r = unsafe { libc::lseek(f.as_raw_fd(), off as libc::off_t, whence) };

@@ -57,8 +57,9 @@ pub const MAX_EXTENT_SIZE: u64 = 1 << 20;
 /// and each piece then written in place gets its own item of at most
 /// [`MAX_EXTENT_SIZE`]'s blocks.
 pub const MAX_PREALLOC_SIZE: u64 = 128 << 20;
-/// Largest file size.
-pub const MAX_FILE_SIZE: u64 = 1 << 50;
+/// Largest file size: the kernel's own for FUSE (and btrfs's), `MAX_LFS_FILESIZE`, so
+/// that every write the kernel takes into its cache can be stored.
+pub const MAX_FILE_SIZE: u64 = i64::MAX as u64;
 
 /// Incompatible feature flags this build understands; any other bit refuses the image.
 pub const INCOMPAT_SUPPORTED: u64 =

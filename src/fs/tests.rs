@@ -8,6 +8,7 @@ use crate::error::Error;
 use crate::format::kind;
 
 const MB: u64 = 1 << 20;
+const BS: u64 = 4096;
 
 pub(super) fn mk(size: u64) -> (Arc<MemDev>, Fs) {
     let dev = Arc::new(MemDev::new(size));
@@ -561,6 +562,93 @@ fn mkfs_writes_zeros_over_the_log_area_and_old_bytes_there_replay_nothing() {
     // Only "." and ".." in the root.
     assert!(fs.readdir(ROOT_INO, 0, 100).unwrap().len() <= 2);
     assert!(problems_after_unmount(&dev, fs).is_empty());
+}
+
+/// Files reach the kernel's own largest size for FUSE (`MAX_LFS_FILESIZE`, btrfs's
+/// too), so every write the kernel caches can be stored: data written, punched,
+/// preallocated, cloned and copied in a file's last blocks comes back after a crash
+/// (from the log) and after a commit, and a byte past it is EFBIG.
+#[test]
+fn files_reach_the_largest_size_the_kernel_allows() {
+    let max = crate::format::MAX_FILE_SIZE;
+    assert_eq!(max, i64::MAX as u64);
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"huge", 0o644, 0, cr()).unwrap().ino;
+    let tail = pattern(70_000, 3);
+    let at = max - tail.len() as u64;
+    assert_eq!(fs.write(f, at, &tail).unwrap(), tail.len());
+    assert!(matches!(fs.write(f, max - 1, b"xy"), Err(Error::TooBig)));
+    fs.write(f, 1 << 62, b"middle").unwrap();
+    fs.fsync(f, false).unwrap();
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs);
+    let fs = Fs::open(crashed.clone(), Options::default()).unwrap();
+    assert_eq!(fs.getattr(f).unwrap().size, max);
+    assert!(fs.read(f, at, 70_000).unwrap() == tail);
+    assert_eq!(fs.read(f, 1 << 62, 6).unwrap(), b"middle");
+    assert_eq!(fs.seek_data_hole(f, 0, true).unwrap(), 1 << 62);
+    assert_eq!(
+        fs.seek_data_hole(f, 1 << 62, false).unwrap(),
+        (1 << 62) + BS
+    );
+    assert_eq!(
+        fs.seek_data_hole(f, (1 << 62) + BS, true).unwrap(),
+        at / BS * BS
+    );
+    assert_eq!(fs.seek_data_hole(f, at, false).unwrap(), max);
+
+    // The last partial block starts at `last`: punch the two whole blocks before it,
+    // preallocate them again, clone three blocks over them, copy into the end.
+    let last = max / BS * BS;
+    let punch = FallocMode {
+        keep_size: true,
+        punch_hole: true,
+        ..FallocMode::default()
+    };
+    fs.fallocate(f, last - 2 * BS, 2 * BS, punch).unwrap();
+    let mut want = fs
+        .read(f, last - 4 * BS, (4 * BS + max - last) as u32)
+        .unwrap();
+    want[2 * BS as usize..4 * BS as usize].fill(0);
+    assert!(fs.read(f, last - 4 * BS, want.len() as u32).unwrap() == want);
+    fs.fallocate(f, last - 2 * BS, 2 * BS, FallocMode::default())
+        .unwrap();
+    let g = fs.mknod(ROOT_INO, b"src", 0o644, 0, cr()).unwrap().ino;
+    let src = pattern(3 * BS as usize, 9);
+    fs.write(g, 0, &src).unwrap();
+    assert_eq!(
+        fs.clone_range(g, 0, f, last - 3 * BS, 3 * BS).unwrap(),
+        3 * BS
+    );
+    assert_eq!(fs.copy_file_range(g, 0, f, max - 5, 5).unwrap(), 5);
+    want[BS as usize..4 * BS as usize].copy_from_slice(&src);
+    let n = want.len();
+    want[n - 5..].copy_from_slice(&src[..5]);
+    assert!(fs.read(f, last - 4 * BS, n as u32).unwrap() == want);
+    assert!(matches!(
+        fs.copy_file_range(g, 0, f, max - 4, 5),
+        Err(Error::TooBig)
+    ));
+    let grow = |size| SetAttr {
+        size: Some(size),
+        ..SetAttr::default()
+    };
+    assert!(matches!(fs.setattr(g, &grow(max + 1)), Err(Error::TooBig)));
+    assert_eq!(fs.setattr(g, &grow(max)).unwrap().size, max);
+    assert!(matches!(
+        fs.fallocate(g, max - BS, BS + 1, FallocMode::default()),
+        Err(Error::TooBig)
+    ));
+    fs.fsync(f, false).unwrap();
+    fs.fsync(g, false).unwrap();
+    let fs = Fs::open(
+        Arc::new(MemDev::from_image(crashed.image())),
+        Options::default(),
+    )
+    .unwrap();
+    assert!(fs.read(f, last - 4 * BS, n as u32).unwrap() == want);
+    assert_eq!(fs.getattr(g).unwrap().size, max);
+    assert!(problems_after_unmount(&crashed, fs).is_empty());
 }
 
 /// mkfs leaves no other filesystem's or partition table's signature behind (blkid
