@@ -4113,6 +4113,52 @@ fn stats_count_fuse_requests_by_kind() {
     );
 }
 
+/// After a kill -9 the dead mount stays until unmounted: mounting again there says
+/// so and how to clear it (it said "does not exist or is not a directory"), and
+/// `birchfs umount` clears it, after which the mount finds what was fsynced.
+#[test]
+fn a_mount_over_a_dead_one_says_how_to_clear_it() {
+    let mut m = Mount::new();
+    let f = File::create(m.path("kept")).unwrap();
+    f.write_all_at(b"fsynced", 0).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    for p in processes_naming(m.image()) {
+        // SAFETY: kill on a pid found in /proc.
+        unsafe { libc::kill(p as i32, libc::SIGKILL) };
+    }
+    let img = m.image().to_path_buf();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !processes_naming(&img).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        is_mounted_at(m.root()),
+        "the dead mount went away by itself"
+    );
+    let out = birchfs([
+        "mount".as_ref(),
+        m.image().as_os_str(),
+        m.root().as_os_str(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success() && err.contains("gone") && err.contains("birchfs umount"),
+        "a mount over a dead one:\n{}",
+        describe(&out)
+    );
+    let out = birchfs(["umount".as_ref(), m.root().as_os_str()]);
+    assert!(
+        out.status.success(),
+        "umount of a dead mount:\n{}",
+        describe(&out)
+    );
+    m.mark_unmounted();
+    m.mount();
+    assert_eq!(fs::read(m.path("kept")).unwrap(), b"fsynced");
+    m.unmount();
+}
+
 /// `birchfs sync` makes what a mount holds durable at once: a file written and not
 /// fsynced, in a new directory, survives a kill -9 of the daemon right after it, where
 /// one written after it is lost (commit=0: no timer commits). A directory that is not

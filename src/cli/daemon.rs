@@ -99,11 +99,17 @@ fn mount_serve(
     ready: &mut Option<std::fs::File>,
 ) -> Result<()> {
     let mo = parse_mount_options(opts)?;
-    if !mountpoint.is_dir() {
-        bail!(
-            "mountpoint {} does not exist or is not a directory",
+    match std::fs::metadata(mountpoint) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => bail!("mountpoint {} is not a directory", mountpoint.display()),
+        // A FUSE mount whose daemon died (kill -9, OOM) stays until unmounted.
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => bail!(
+            "mountpoint {} is still mounted by a daemon that is gone ({e}); \
+             `birchfs umount {}` clears it",
+            mountpoint.display(),
             mountpoint.display()
-        );
+        ),
+        Err(e) => bail!("mountpoint {}: {e}", mountpoint.display()),
     }
     let dev = open_when_free(image, !mo.fs.readonly).map_err(|e| {
         // A read-only image file, or one on a read-only filesystem, still mounts `ro`.

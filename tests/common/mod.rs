@@ -648,6 +648,13 @@ impl Mount {
         self.check()
     }
 
+    /// Records that the mount is gone (the test unmounted it another way).
+    #[track_caller]
+    pub fn mark_unmounted(&mut self) {
+        assert!(!is_mounted_at(&self.mnt), "still mounted");
+        self.mounted = false;
+    }
+
     /// kill -9 of the daemon (a crash of the process, not of the machine), then
     /// detaches the dead mount.
     #[track_caller]
