@@ -722,6 +722,20 @@ fn run() -> Result<ExitCode> {
             dest,
         } => {
             init_logging(None)?;
+            // The files go into a new or empty directory, never among others.
+            let unfit = match std::fs::read_dir(&dest) {
+                Ok(mut d) => d.next().is_some().then_some("is not empty"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Some("is not a directory"),
+                Err(_) => None, // make_dest says why
+            };
+            if let Some(why) = unfit {
+                eprintln!(
+                    "birchfs restore: {} {why}: restore writes into a new or empty directory",
+                    dest.display()
+                );
+                return Ok(ExitCode::from(2));
+            }
             let dev = match open_when_free(&image, false) {
                 Ok(d) => d,
                 Err(e) => {

@@ -981,6 +981,20 @@ fn a_damaged_root_node_refuses_the_mount_and_restore_gets_the_files_back() {
         dest.to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not empty"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not empty") && !err.contains("I/O error"),
+        "{err}"
+    );
     assert_eq!(fs::read_dir(dest.join("d")).unwrap().count(), 2000);
+    // So is one into a file.
+    let file = dest.join("d/file-00000");
+    let out = birchfs([
+        "restore",
+        m.image().to_str().unwrap(),
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a directory"));
+    assert_eq!(fs::read(&file).unwrap(), b"x");
 }
