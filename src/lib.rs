@@ -32,8 +32,8 @@ mod txn;
 pub use cache::{default_cache_size, CacheOptions, MemoryPressure};
 pub use error::{Error, Result};
 pub use fs::{
-    is_snapshot_ino, Attr, Creds, DirEntryOut, ExtentInfo, FallocMode, FileKind, Fs, MkfsOptions,
-    Options, RenameFlags, SetAttr, SnapshotInfo, SpaceUsage, StatFs, TimeSet, INODES_PER_BLOCK,
-    ROOT_INO, SNAPSHOTS_INO, SNAPSHOTS_NAME,
+    check_snapshot_name, is_snapshot_ino, Attr, Creds, DirEntryOut, ExtentInfo, FallocMode,
+    FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr, SnapshotInfo, SpaceUsage, StatFs,
+    TimeSet, INODES_PER_BLOCK, ROOT_INO, SNAPSHOTS_INO, SNAPSHOTS_NAME,
 };
 pub use stats::{Histogram, LatencySummary, Stats, StatsSnapshot};

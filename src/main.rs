@@ -298,6 +298,10 @@ fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
         | SnapshotCmd::List { target, .. }
         | SnapshotCmd::Delete { target, .. } => target.clone(),
     };
+    if let SnapshotCmd::Create { name, .. } | SnapshotCmd::Delete { name, .. } = &action {
+        birchfs::check_snapshot_name(name.as_bytes())
+            .with_context(|| format!("snapshot name {name:?}"))?;
+    }
     let as_json = matches!(action, SnapshotCmd::List { json: true, .. });
     let json = if target.is_dir() {
         // A mount: the same as mkdir/rmdir in .snapshots.

@@ -145,6 +145,19 @@ fn the_snapshot_command_works_on_a_mount_and_on_an_image() {
     fs::write(m.path("f"), b"v2").unwrap();
     let out = birchfs(["snapshot", "create", &root, "daily"]);
     assert!(!out.status.success(), "a second 'daily' was taken");
+    // A name that is no path component is refused as such, on a mount and on an image
+    // alike (through mkdir it read "File exists" or "No such file or directory").
+    for bad in ["", ".", "..", "a/b"] {
+        for target in [&root, &m.image().to_str().unwrap().to_string()] {
+            let out = birchfs(["snapshot", "create", target, bad]);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success() && err.contains("one path component"),
+                "snapshot {bad:?} of {target}: {}",
+                describe(&out)
+            );
+        }
+    }
     let out = birchfs(["snapshot", "list", "--json", &root]);
     assert!(out.status.success(), "list: {}", describe(&out));
     let json = String::from_utf8_lossy(&out.stdout);

@@ -31,7 +31,9 @@ use crate::txn::Store;
 
 pub use acl::is_acl_name;
 pub use inode::{without_suid, Attr, FileKind, SetAttr, TimeSet};
-pub use snapshot::{is_snapshot_ino, SnapshotInfo, SNAPSHOTS_INO, SNAPSHOTS_NAME};
+pub use snapshot::{
+    check_snapshot_name, is_snapshot_ino, SnapshotInfo, SNAPSHOTS_INO, SNAPSHOTS_NAME,
+};
 pub use space::SpaceUsage;
 
 /// Mount-time options of the engine.

@@ -94,10 +94,16 @@ impl SnapshotInfo {
 }
 
 /// A file name's rules, and neither `.` nor `..`.
-fn check_snapshot_name(name: &[u8]) -> Result<()> {
-    super::dir::check_name(name)?;
-    if name == b"." || name == b".." {
-        return Err(Error::Invalid("bad snapshot name"));
+/// Checks that `name` can name a snapshot: one path component, as a file name.
+pub fn check_snapshot_name(name: &[u8]) -> Result<()> {
+    if name.len() > crate::format::NAME_MAX {
+        return Err(Error::NameTooLong);
+    }
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) || name == b"." || name == b".."
+    {
+        return Err(Error::Invalid(
+            "a snapshot name is one path component: not empty, '.' or '..', no '/'",
+        ));
     }
     Ok(())
 }
