@@ -157,6 +157,7 @@ fn cache_mount_options_are_checked() {
         ("folio_size=2M", "folio_size"),
         ("cache_size=64K", "cache_size"),
         ("cache_size=lots", "cache_size"),
+        ("cache_size=1000000T", "more than the memory"),
         ("block_dirty=maybe", "unknown mount option"),
         ("threads=0", "threads=0"),
         ("threads=many", "threads=many"),

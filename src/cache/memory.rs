@@ -7,7 +7,7 @@ use std::time::Instant;
 
 /// The memory this process may use: physical memory, or its cgroup's limit when
 /// lower (as in a container). Read once per process.
-pub(crate) fn usable_memory() -> u64 {
+pub fn usable_memory() -> u64 {
     static USABLE: OnceLock<u64> = OnceLock::new();
     *USABLE.get_or_init(|| {
         // SAFETY: sysconf has no preconditions.

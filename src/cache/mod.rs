@@ -6,7 +6,7 @@ mod memory;
 mod page_cache;
 
 pub(crate) use folio::Folio;
-pub(crate) use memory::usable_memory;
+pub use memory::usable_memory;
 pub use memory::MemoryPressure;
 pub use page_cache::{default_cache_size, CacheOptions};
 pub(crate) use page_cache::{CachedFolio, PageCache};

@@ -193,6 +193,17 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
         }
     }
     o.fs.cache.validate().map_err(|e| anyhow!("{e}"))?;
+    // A cache larger than memory is a slip (100T for 100M): writers would fill it
+    // with dirty data until memory ran out.
+    let usable = birchfs::usable_memory();
+    if o.fs.cache.cache_size > usable {
+        bail!(
+            "cache_size={} is more than the memory this daemon may use ({} MiB: the \
+             machine's, or its cgroup's limit)",
+            o.fs.cache.cache_size,
+            usable >> 20
+        );
+    }
     Ok(o)
 }
 
@@ -250,6 +261,7 @@ mod tests {
             ("folio_size=3K", "folio"),
             ("discard=1K", "discard=1K"),
             ("discard=x", "discard=x"),
+            ("cache_size=1000000T", "more than the memory"),
         ] {
             let e = format!("{:#}", parse(opt).err().expect(opt));
             assert!(e.contains(says), "{opt}: {e}");
