@@ -33,6 +33,9 @@ pub enum Error {
     /// The operation is not permitted (e.g. hard link to a directory).
     #[error("operation not permitted")]
     Perm,
+    /// A file has as many links as it can hold (in all, or in one directory).
+    #[error("too many links")]
+    TooManyLinks,
     /// Access denied by permission bits.
     #[error("permission denied")]
     Access,
@@ -91,6 +94,7 @@ impl Error {
             Error::NoSpace => libc::ENOSPC,
             Error::Invalid(_) | Error::BadOption(_) => libc::EINVAL,
             Error::Perm => libc::EPERM,
+            Error::TooManyLinks => libc::EMLINK,
             Error::Access => libc::EACCES,
             Error::NoData => libc::ENODATA,
             Error::Range => libc::ERANGE,

@@ -126,7 +126,9 @@ impl Inner {
         });
         let renc = encode_inode_refs(&refs);
         if renc.len() > self.store.max_item_size() {
-            return Err(Error::Invalid("too many links in one directory"));
+            // All of a file's names in one directory share one item (as btrfs's
+            // INODE_REF without extended refs).
+            return Err(Error::TooManyLinks);
         }
         self.store.insert(tree::FS, ik, enc)?;
         self.store.insert(
@@ -276,7 +278,7 @@ impl Inner {
             return Err(Error::NotFound);
         }
         if i.nlink.get() >= 65000 {
-            return Err(Error::Invalid("too many links"));
+            return Err(Error::TooManyLinks);
         }
         let p = self.dir_inode(parent)?;
         if p.nlink.get() == 0 {

@@ -651,6 +651,38 @@ fn files_reach_the_largest_size_the_kernel_allows() {
     assert!(problems_after_unmount(&crashed, fs).is_empty());
 }
 
+/// All of a file's names in one directory share one item: once it is full, one more
+/// link there is EMLINK (it was EINVAL) and changes nothing; other directories still
+/// take links, and the names made before all work.
+#[test]
+fn links_past_what_one_directory_holds_are_emlink() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap().ino;
+    let name = |i: usize| format!("{i:05}{}", "x".repeat(240)).into_bytes();
+    let mut made = 0;
+    let err = loop {
+        match fs.link(f, ROOT_INO, &name(made)) {
+            Ok(_) => made += 1,
+            Err(e) => break e,
+        }
+        assert!(made < 10_000, "no limit reached");
+    };
+    assert!(made >= 20, "only {made} links");
+    assert!(matches!(err, Error::TooManyLinks), "{err:?}");
+    assert_eq!(err.errno(), libc::EMLINK);
+    assert!(matches!(
+        fs.lookup(ROOT_INO, &name(made)),
+        Err(Error::NotFound)
+    ));
+    fs.link(f, d, &name(0)).unwrap();
+    assert_eq!(fs.getattr(f).unwrap().nlink as usize, made + 2);
+    for i in 0..made {
+        assert_eq!(fs.lookup(ROOT_INO, &name(i)).unwrap().ino, f);
+    }
+    assert!(problems_after_unmount(&dev, fs).is_empty());
+}
+
 /// mkfs leaves no other filesystem's or partition table's signature behind (blkid
 /// would take the device for that): the first MiB but birchfs's superblock and the
 /// last MiB hold zeros.
