@@ -102,8 +102,9 @@ fn mount_serve(
     match std::fs::metadata(mountpoint) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => bail!("mountpoint {} is not a directory", mountpoint.display()),
-        // A FUSE mount whose daemon died (kill -9, OOM) stays until unmounted.
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => bail!(
+        // A FUSE mount whose daemon died (kill -9, OOM) stays until unmounted; its
+        // connection answers ENOTCONN, or ECONNABORTED once the kernel aborted it.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)) => bail!(
             "mountpoint {} is still mounted by a daemon that is gone ({e}); \
              `birchfs umount {}` clears it",
             mountpoint.display(),
