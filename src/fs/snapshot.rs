@@ -96,16 +96,13 @@ impl SnapshotInfo {
 /// A file name's rules, and neither `.` nor `..`.
 /// Checks that `name` can name a snapshot: one path component, as a file name.
 pub fn check_snapshot_name(name: &[u8]) -> Result<()> {
-    if name.len() > crate::format::NAME_MAX {
-        return Err(Error::NameTooLong);
+    let bad =
+        || Error::Invalid("a snapshot name is one path component: not empty, '.' or '..', no '/'");
+    match super::dir::check_name(name) {
+        Err(Error::Invalid(_)) => Err(bad()),
+        Ok(()) if name == b"." || name == b".." => Err(bad()),
+        r => r,
     }
-    if name.is_empty() || name.contains(&b'/') || name.contains(&0) || name == b"." || name == b".."
-    {
-        return Err(Error::Invalid(
-            "a snapshot name is one path component: not empty, '.' or '..', no '/'",
-        ));
-    }
-    Ok(())
 }
 
 impl Inner {
