@@ -201,6 +201,7 @@ fn open_unmounted(target: &Path) -> Result<Fs> {
 /// The root of the birchfs mounted at `dir`, opened for an ioctl; an error for any
 /// other directory, whose filesystem would take birchfs's ioctls (and FITRIM) as its own.
 fn open_mount(dir: &Path) -> Result<std::fs::File> {
+    cli::umount::refuse_dead_mount(dir)?;
     cli::umount::image_mounted_at(dir)?;
     std::fs::File::open(dir).with_context(|| format!("cannot open {}", dir.display()))
 }
@@ -264,6 +265,7 @@ pub(crate) const SYNC_NO_ROOM: u8 = 3;
 /// `birchfs trim`: FITRIM on a mount, [`Fs::trim`] on an unmounted image; the bytes
 /// discarded.
 fn trim_cmd(target: &Path) -> Result<u64> {
+    cli::umount::refuse_dead_mount(target)?;
     if target.is_dir() {
         let d = open_mount(target)?;
         let mut range = [0, u64::MAX, 0];
@@ -302,6 +304,7 @@ fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
         birchfs::check_snapshot_name(name.as_bytes())
             .with_context(|| format!("snapshot name {name:?}"))?;
     }
+    cli::umount::refuse_dead_mount(&target)?;
     let as_json = matches!(action, SnapshotCmd::List { json: true, .. });
     let json = if target.is_dir() {
         // A mount: the same as mkdir/rmdir in .snapshots.
@@ -800,6 +803,7 @@ fn run() -> Result<ExitCode> {
             } else {
                 birchfs::fuse::STATS_XATTR
             };
+            cli::umount::refuse_dead_mount(&mountpoint)?;
             let raw = read_stats(&mountpoint, xattr)?;
             if json {
                 println!("{raw}");

@@ -4147,6 +4147,23 @@ fn a_mount_over_a_dead_one_says_how_to_clear_it() {
         "a mount over a dead one:\n{}",
         describe(&out)
     );
+    // So do the commands that take a mount point (snapshot and trim took it for an
+    // image: "Is a directory").
+    let root = m.root().as_os_str();
+    for args in [
+        vec!["stats".as_ref(), root],
+        vec!["sync".as_ref(), root],
+        vec!["trim".as_ref(), root],
+        vec!["snapshot".as_ref(), "list".as_ref(), root],
+    ] {
+        let out = birchfs(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("birchfs umount"),
+            "{args:?} on a dead mount:\n{}",
+            describe(&out)
+        );
+    }
     let out = birchfs(["umount".as_ref(), m.root().as_os_str()]);
     assert!(
         out.status.success(),

@@ -99,17 +99,11 @@ fn mount_serve(
     ready: &mut Option<std::fs::File>,
 ) -> Result<()> {
     let mo = parse_mount_options(opts)?;
+    // A FUSE mount whose daemon died (kill -9, OOM) stays until unmounted.
+    super::umount::refuse_dead_mount(mountpoint)?;
     match std::fs::metadata(mountpoint) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => bail!("mountpoint {} is not a directory", mountpoint.display()),
-        // A FUSE mount whose daemon died (kill -9, OOM) stays until unmounted; its
-        // connection answers ENOTCONN, or ECONNABORTED once the kernel aborted it.
-        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)) => bail!(
-            "mountpoint {} is still mounted by a daemon that is gone ({e}); \
-             `birchfs umount {}` clears it",
-            mountpoint.display(),
-            mountpoint.display()
-        ),
         Err(e) => bail!("mountpoint {}: {e}", mountpoint.display()),
     }
     let dev = open_when_free(image, !mo.fs.readonly).map_err(|e| {

@@ -49,6 +49,22 @@ pub(crate) fn mounted_image(mountinfo: &str, mountpoint: &Path) -> Option<PathBu
     is_fuse.then(|| PathBuf::from(image))
 }
 
+/// Fails, saying how to clear it, when `path` is a mount whose daemon is gone (its
+/// connection answers ENOTCONN, or ECONNABORTED once the kernel aborted it).
+pub(crate) fn refuse_dead_mount(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)) => {
+            bail!(
+                "{} is still mounted by a daemon that is gone ({e}); `birchfs umount {}` \
+                 clears it",
+                path.display(),
+                path.display()
+            )
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The image of the birchfs mounted at `mountpoint` (as given, or with its links
 /// resolved); an error when no birchfs is mounted there.
 pub(crate) fn image_mounted_at(mountpoint: &Path) -> Result<PathBuf> {
