@@ -450,13 +450,13 @@ fn mkfs_on(
     // image is refused before a byte of it changes.
     let mut dev =
         open_when_free(image, true).with_context(|| format!("cannot open {}", image.display()))?;
-    if exists && !force && birchfs::check::has_birchfs_magic(&dev) {
-        bail!(
-            "{} already holds a birchfs filesystem; use --force to overwrite it",
-            image.display()
-        );
-    }
     if exists && !force {
+        if birchfs::check::has_birchfs_magic(&dev) {
+            bail!(
+                "{} already holds a birchfs filesystem; use --force to overwrite it",
+                image.display()
+            );
+        }
         if let Some(what) = birchfs::check::foreign_signature(&dev) {
             bail!(
                 "{} appears to hold {what}; use --force to overwrite it",
@@ -729,14 +729,8 @@ fn run() -> Result<ExitCode> {
             dest,
         } => {
             init_logging(None)?;
-            // The files go into a new or empty directory, never among others.
-            let unfit = match std::fs::read_dir(&dest) {
-                Ok(mut d) => d.next().is_some().then_some("is not empty"),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Some("is not a directory"),
-                Err(_) => None, // make_dest says why
-            };
-            if let Some(why) = unfit {
+            // Said before the image is opened, and as the destination's fault.
+            if let Some(why) = birchfs::restore::unfit_dest(&dest) {
                 eprintln!(
                     "birchfs restore: {} {why}: restore writes into a new or empty directory",
                     dest.display()

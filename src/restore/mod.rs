@@ -40,6 +40,7 @@ use crate::dev::BlockDev;
 use crate::error::Result;
 
 use reader::read_image;
+pub use writer::unfit_dest;
 use writer::{make_dest, Writer};
 
 /// What to restore.

@@ -15,19 +15,27 @@ use crate::format::{
     objectid, InodeItem, Timespec, BLOCK_SIZE, FILE_EXTENT_REG, NAME_MAX, SYMLINK_MAX,
 };
 
+/// Why `dest` cannot take a restore ("is not empty", "is not a directory"), if it
+/// cannot; a restore writes into a new or empty directory, never among other files.
+pub fn unfit_dest(dest: &Path) -> Option<&'static str> {
+    match std::fs::read_dir(dest) {
+        Ok(mut d) => d.next().is_some().then_some("is not empty"),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Some("is not a directory"),
+        Err(_) => None,
+    }
+}
+
 /// Creates `dest`, or checks that it is an empty directory.
 pub(super) fn make_dest(dest: &Path) -> Result<()> {
+    if let Some(why) = unfit_dest(dest) {
+        return Err(Error::Io(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{} {why}", dest.display()),
+        )));
+    }
     match std::fs::create_dir(dest) {
         Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            if std::fs::read_dir(dest)?.next().is_some() {
-                return Err(Error::Io(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!("{} is not empty", dest.display()),
-                )));
-            }
-            Ok(())
-        }
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
         Err(e) => Err(Error::Io(io::Error::new(
             e.kind(),
             format!("cannot create {}: {e}", dest.display()),
