@@ -99,12 +99,14 @@ fn mount_serve(
     ready: &mut Option<std::fs::File>,
 ) -> Result<()> {
     let mo = parse_mount_options(opts)?;
-    // A FUSE mount whose daemon died (kill -9, OOM) stays until unmounted.
-    super::umount::refuse_dead_mount(mountpoint)?;
     match std::fs::metadata(mountpoint) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => bail!("mountpoint {} is not a directory", mountpoint.display()),
-        Err(e) => bail!("mountpoint {}: {e}", mountpoint.display()),
+        Err(e) => {
+            // A FUSE mount whose daemon died (kill -9, OOM) stays until unmounted.
+            super::umount::refuse_dead_mount(mountpoint)?;
+            bail!("mountpoint {}: {e}", mountpoint.display())
+        }
     }
     let dev = open_when_free(image, !mo.fs.readonly).map_err(|e| {
         // A read-only image file, or one on a read-only filesystem, still mounts `ro`.

@@ -211,7 +211,6 @@ impl FileDev {
     }
 }
 
-/// Whether `len` bytes at `off` are whole direct-I/O blocks.
 /// Whether the block device `f` is set read-only (`blockdev --setro`, `losetup -r`).
 fn read_only_bdev(f: &File) -> bool {
     /// `BLKROGET`, `_IO(0x12, 94)`.
@@ -222,6 +221,7 @@ fn read_only_bdev(f: &File) -> bool {
     rc == 0 && ro != 0
 }
 
+/// Whether `len` bytes at `off` are whole direct-I/O blocks.
 fn aligned(len: usize, off: u64) -> bool {
     len % DIRECT_ALIGN == 0 && off % DIRECT_ALIGN as u64 == 0
 }

@@ -93,8 +93,8 @@ impl SnapshotInfo {
     }
 }
 
-/// A file name's rules, and neither `.` nor `..`.
-/// Checks that `name` can name a snapshot: one path component, as a file name.
+/// Checks that `name` can name a snapshot: a file name's rules, and neither `.` nor
+/// `..`.
 pub fn check_snapshot_name(name: &[u8]) -> Result<()> {
     let bad =
         || Error::Invalid("a snapshot name is one path component: not empty, '.' or '..', no '/'");
