@@ -4123,15 +4123,7 @@ fn a_mount_over_a_dead_one_says_how_to_clear_it() {
     f.write_all_at(b"fsynced", 0).unwrap();
     f.sync_all().unwrap();
     drop(f);
-    for p in processes_naming(m.image()) {
-        // SAFETY: kill on a pid found in /proc.
-        unsafe { libc::kill(p as i32, libc::SIGKILL) };
-    }
-    let img = m.image().to_path_buf();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !processes_naming(&img).is_empty() && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    m.kill_daemon_leaving_its_mount();
     assert!(
         is_mounted_at(m.root()),
         "the dead mount went away by itself"

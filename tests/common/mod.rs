@@ -648,17 +648,9 @@ impl Mount {
         self.check()
     }
 
-    /// Records that the mount is gone (the test unmounted it another way).
+    /// kill -9 of the daemon; its dead mount stays (still counted as mounted).
     #[track_caller]
-    pub fn mark_unmounted(&mut self) {
-        assert!(!is_mounted_at(&self.mnt), "still mounted");
-        self.mounted = false;
-    }
-
-    /// kill -9 of the daemon (a crash of the process, not of the machine), then
-    /// detaches the dead mount.
-    #[track_caller]
-    pub fn kill_daemon(&mut self) {
+    pub fn kill_daemon_leaving_its_mount(&mut self) {
         let pids = processes_naming(&self.img);
         assert!(!pids.is_empty(), "no daemon to kill");
         for p in &pids {
@@ -670,6 +662,20 @@ impl Mount {
             wait_until(GONE_TIMEOUT, || processes_naming(&img).is_empty()),
             "daemon survived SIGKILL"
         );
+    }
+
+    /// Records that the mount is gone (the test unmounted it another way).
+    #[track_caller]
+    pub fn mark_unmounted(&mut self) {
+        assert!(!is_mounted_at(&self.mnt), "still mounted");
+        self.mounted = false;
+    }
+
+    /// kill -9 of the daemon (a crash of the process, not of the machine), then
+    /// detaches the dead mount.
+    #[track_caller]
+    pub fn kill_daemon(&mut self) {
+        self.kill_daemon_leaving_its_mount();
         let _ = try_run(
             Command::new("fusermount3")
                 .arg("-u")
