@@ -201,7 +201,6 @@ fn open_unmounted(target: &Path) -> Result<Fs> {
 /// The root of the birchfs mounted at `dir`, opened for an ioctl; an error for any
 /// other directory, whose filesystem would take birchfs's ioctls (and FITRIM) as its own.
 fn open_mount(dir: &Path) -> Result<std::fs::File> {
-    cli::umount::refuse_dead_mount(dir)?;
     cli::umount::image_mounted_at(dir)?;
     std::fs::File::open(dir).with_context(|| format!("cannot open {}", dir.display()))
 }
@@ -211,6 +210,7 @@ fn open_mount(dir: &Path) -> Result<std::fs::File> {
 /// room for the commit (the daemon keeps it for the next).
 fn sync_cmd(mountpoint: &Path) -> Result<ExitCode> {
     use std::os::fd::AsRawFd;
+    cli::umount::refuse_dead_mount(mountpoint)?;
     let d = open_mount(mountpoint)?;
     // A failed writeback here (the file system full) lost only its own pages: the
     // commit of everything else still runs, and the failure is reported after it.
