@@ -30,6 +30,7 @@
 //! and `lost+found` is used only when it is a real directory, so no path goes through
 //! a symlink the image holds.
 
+mod at;
 mod namespace;
 mod reader;
 mod writer;

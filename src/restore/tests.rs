@@ -750,3 +750,116 @@ fn nameless_inodes_go_to_lost_and_found_and_hostile_names_are_skipped() {
         w.rep.problems
     );
 }
+
+/// Opens `name` in directory `dir` (one component, so any depth works).
+fn open_in(dir: &std::os::fd::OwnedFd, name: &str, flags: i32) -> std::os::fd::OwnedFd {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let n = CString::new(name).unwrap();
+    // SAFETY: a valid descriptor and C string.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), n.as_ptr(), flags | libc::O_CLOEXEC) };
+    assert!(fd >= 0, "{name}: {}", std::io::Error::last_os_error());
+    // SAFETY: just opened, owned by nothing else.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+}
+
+/// fstat of a descriptor.
+fn fstat(fd: &std::os::fd::OwnedFd) -> libc::stat {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a zeroed stat is a valid buffer.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid descriptor, an empty path and a stat buffer.
+    let r = unsafe { libc::fstatat(fd.as_raw_fd(), c"".as_ptr(), &mut st, libc::AT_EMPTY_PATH) };
+    assert_eq!(r, 0);
+    st
+}
+
+/// A tree deeper than PATH_MAX (12,000 bytes of path) comes back whole: no system
+/// call takes such a path, and restore made the lower part nameless pieces in
+/// lost+found ("File name too long") before it reached them from their parents.
+#[test]
+fn a_tree_deeper_than_path_max_comes_back_whole() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let dev = Arc::new(MemDev::new(64 << 20));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let c = Creds::default();
+    let level = |i: usize| format!("{i:03}{}", "n".repeat(197));
+    let mut dir = ROOT_INO;
+    for i in 0..60 {
+        dir = fs.mkdir(dir, level(i).as_bytes(), 0o755, c).unwrap().ino;
+    }
+    let f = fs.mknod(dir, b"f", 0o640, 0, c).unwrap();
+    fs.write(f.ino, 0, b"at the bottom").unwrap();
+    fs.setxattr(f.ino, b"user.deep", b"kept", false, false)
+        .unwrap();
+    fs.link(f.ino, ROOT_INO, b"top").unwrap();
+    fs.link(f.ino, dir, b"g").unwrap();
+    fs.symlink(dir, b"s", b"f", c).unwrap();
+    fs.mknod(dir, b"p", libc::S_IFIFO | 0o600, 0, c).unwrap();
+    let set = SetAttr {
+        mode: Some(0o700),
+        mtime: Some(TimeSet::At(
+            std::time::UNIX_EPOCH + std::time::Duration::new(1_600_000_000, 5),
+        )),
+        ..Default::default()
+    };
+    fs.setattr(dir, &set).unwrap();
+    fs.unmount().unwrap();
+
+    let (_t, out, rep) = run(&dev, &RestoreOptions::default());
+    assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
+    assert_eq!(
+        (
+            rep.dirs,
+            rep.files,
+            rep.symlinks,
+            rep.specials,
+            rep.hard_links
+        ),
+        (60, 1, 1, 1, 2)
+    );
+    assert_eq!((rep.lost_found, rep.attrs_refused), (0, 0));
+    let mut d = open_in(
+        &std::fs::File::open(&out).unwrap().into(),
+        ".",
+        libc::O_RDONLY | libc::O_DIRECTORY,
+    );
+    for i in 0..60 {
+        d = open_in(&d, &level(i), libc::O_RDONLY | libc::O_DIRECTORY);
+    }
+    let st = fstat(&d);
+    assert_eq!(st.st_mode & 0o7777, 0o700);
+    assert_eq!((st.st_mtime, st.st_mtime_nsec), (1_600_000_000, 5));
+    let file = open_in(&d, "f", libc::O_RDONLY);
+    let mut s = String::new();
+    std::fs::File::from(file.try_clone().unwrap())
+        .read_to_string(&mut s)
+        .unwrap();
+    assert_eq!(s, "at the bottom");
+    let top = std::fs::metadata(out.join("top")).unwrap();
+    let st = fstat(&file);
+    assert_eq!(
+        (st.st_ino, st.st_nlink, st.st_mode & 0o7777),
+        (top.ino(), 3, 0o640)
+    );
+    assert_eq!(fstat(&open_in(&d, "g", libc::O_RDONLY)).st_ino, top.ino());
+    let mut v = [0u8; 16];
+    // SAFETY: a valid descriptor, C string and buffer.
+    let n = unsafe {
+        libc::fgetxattr(
+            file.as_raw_fd(),
+            c"user.deep".as_ptr(),
+            v.as_mut_ptr().cast(),
+            v.len(),
+        )
+    };
+    assert_eq!(&v[..n.max(0) as usize], b"kept");
+    let mut t = [0u8; 8];
+    // SAFETY: a valid descriptor, C string and buffer.
+    let n =
+        unsafe { libc::readlinkat(d.as_raw_fd(), c"s".as_ptr(), t.as_mut_ptr().cast(), t.len()) };
+    assert_eq!(&t[..n.max(0) as usize], b"f");
+    let p = fstat(&open_in(&d, "p", libc::O_PATH));
+    assert_eq!(p.st_mode & libc::S_IFMT, libc::S_IFIFO);
+}

@@ -3,10 +3,12 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{CString, OsStr};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use super::at::{check, create_file, LongPaths};
 use super::namespace::Namespace;
 use super::Restored;
 use crate::dev::BlockDev;
@@ -63,6 +65,8 @@ pub(super) struct Writer<'a> {
     stack: Vec<(u64, PathBuf)>,
     /// Whether owners can be set.
     root: bool,
+    /// The way to paths longer than PATH_MAX.
+    long: LongPaths,
 }
 
 impl<'a> Writer<'a> {
@@ -84,6 +88,7 @@ impl<'a> Writer<'a> {
             dirs: Vec::new(),
             stack: Vec::new(),
             root: geteuid_is_root(),
+            long: LongPaths::default(),
         }
     }
 
@@ -203,7 +208,7 @@ impl<'a> Writer<'a> {
                 ));
                 return;
             }
-            match std::fs::hard_link(&first, p) {
+            match self.hard_link(&first, p) {
                 Ok(()) => self.rep.hard_links += 1,
                 Err(e) => self
                     .rep
@@ -212,7 +217,7 @@ impl<'a> Writer<'a> {
             return;
         }
         let made = match inode.mode.get() & libc::S_IFMT {
-            libc::S_IFDIR => std::fs::create_dir(p).map(|()| {
+            libc::S_IFDIR => self.mkdir(p).map(|()| {
                 self.rep.dirs += 1;
                 self.dirs.push((ino, p.to_path_buf()));
                 self.stack.push((ino, p.to_path_buf()));
@@ -220,8 +225,7 @@ impl<'a> Writer<'a> {
             libc::S_IFREG => self.write_file(p, ino, inode).map(|()| self.rep.files += 1),
             libc::S_IFLNK => match ns.symlinks.get(&ino) {
                 Some(t) if !t.is_empty() && t.len() <= SYMLINK_MAX && !t.contains(&0) => {
-                    std::os::unix::fs::symlink(OsStr::from_bytes(t), p)
-                        .map(|()| self.rep.symlinks += 1)
+                    self.symlink(t, p).map(|()| self.rep.symlinks += 1)
                 }
                 _ => {
                     self.rep.problem(format!(
@@ -231,9 +235,9 @@ impl<'a> Writer<'a> {
                     return;
                 }
             },
-            libc::S_IFCHR | libc::S_IFBLK | libc::S_IFIFO | libc::S_IFSOCK => {
-                mknod(p, inode.mode.get(), inode.rdev.get()).map(|()| self.rep.specials += 1)
-            }
+            libc::S_IFCHR | libc::S_IFBLK | libc::S_IFIFO | libc::S_IFSOCK => self
+                .mknod(p, inode.mode.get(), inode.rdev.get())
+                .map(|()| self.rep.specials += 1),
             m => {
                 self.rep.problem(format!(
                     "{}: inode {ino} has unknown type {m:#o}; not restored",
@@ -262,11 +266,7 @@ impl<'a> Writer<'a> {
 
     /// Writes a regular file's data, checking each block.
     fn write_file(&mut self, p: &Path, ino: u64, inode: &InodeItem) -> io::Result<()> {
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(p)?;
+        let f = create_file(&self.long.at(p)?)?;
         let size = inode.size.get();
         let (mut bad, mut first_bad) = (0u64, None);
         for &(off, fe) in self.ns.extents.get(&ino).map(Vec::as_slice).unwrap_or(&[]) {
@@ -339,20 +339,43 @@ impl<'a> Writer<'a> {
 
     /// Extended attributes, owner, permissions and times of `p`.
     fn attrs(&mut self, p: &Path, ino: u64, inode: &InodeItem, symlink: bool) {
-        let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+        let Ok(at) = self.long.at(p) else {
+            self.rep.attrs_refused += 1;
             return;
         };
+        let (fd, c) = (at.fd(), &at.name);
         // Owner, then mode (chown clears set-id bits), then xattrs (chown of a file
         // also drops its security.capability), then times.
         // SAFETY: a valid C string.
-        if self.root && unsafe { libc::lchown(c.as_ptr(), inode.uid.get(), inode.gid.get()) } != 0 {
+        let chown = || unsafe {
+            libc::fchownat(
+                fd,
+                c.as_ptr(),
+                inode.uid.get(),
+                inode.gid.get(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if self.root && chown() != 0 {
             self.rep.attrs_refused += 1;
         }
+        let mode = (inode.mode.get() & 0o7777) as libc::mode_t;
         // SAFETY: a valid C string.
-        if !symlink && unsafe { libc::chmod(c.as_ptr(), (inode.mode.get() & 0o7777) as _) } != 0 {
+        if !symlink && unsafe { libc::fchmodat(fd, c.as_ptr(), mode, 0) } != 0 {
             self.rep.attrs_refused += 1;
         }
-        for e in self.ns.xattrs.get(&ino).map(Vec::as_slice).unwrap_or(&[]) {
+        let xattrs = self.ns.xattrs.get(&ino).map(Vec::as_slice).unwrap_or(&[]);
+        // A long path has no name to set xattrs by: its O_PATH descriptor's
+        // /proc/self/fd link leads to it (to a symlink itself, not its target).
+        let by_fd = match (xattrs.is_empty(), at.is_whole()) {
+            (false, false) => at.open_path().ok(),
+            _ => None,
+        };
+        let target = match &by_fd {
+            Some(d) => CString::new(format!("/proc/self/fd/{}", d.as_raw_fd())).ok(),
+            None => at.is_whole().then(|| at.name.clone()),
+        };
+        for e in xattrs {
             let (Some(v), Ok(n)) = (self.ns.xattr_value(ino, e), CString::new(e.name.clone()))
             else {
                 self.rep.problem(format!(
@@ -362,9 +385,18 @@ impl<'a> Writer<'a> {
                 ));
                 continue;
             };
+            let Some(t) = &target else {
+                self.rep.attrs_refused += 1;
+                continue;
+            };
             // SAFETY: valid C strings and a buffer of the given length.
-            let r =
-                unsafe { libc::lsetxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0) };
+            let r = unsafe {
+                if by_fd.is_some() {
+                    libc::setxattr(t.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0)
+                } else {
+                    libc::lsetxattr(t.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), 0)
+                }
+            };
             if r != 0 {
                 self.rep.attrs_refused += 1;
             }
@@ -375,17 +407,49 @@ impl<'a> Writer<'a> {
         };
         let times = [ts(inode.atime), ts(inode.mtime)];
         // SAFETY: a valid C string and two timespecs.
-        let r = unsafe {
-            libc::utimensat(
-                libc::AT_FDCWD,
-                c.as_ptr(),
-                times.as_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
+        let r =
+            unsafe { libc::utimensat(fd, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) };
         if r != 0 {
             self.rep.attrs_refused += 1;
         }
+    }
+
+    /// mkdir(2) of `p`, however long.
+    fn mkdir(&mut self, p: &Path) -> io::Result<()> {
+        let at = self.long.at(p)?;
+        // SAFETY: a valid C string.
+        check(unsafe { libc::mkdirat(at.fd(), at.name.as_ptr(), 0o777) })
+    }
+
+    /// symlink(2): `p`, however long, pointing to `target`.
+    fn symlink(&mut self, target: &[u8], p: &Path) -> io::Result<()> {
+        let t = CString::new(target)?;
+        let at = self.long.at(p)?;
+        // SAFETY: valid C strings.
+        check(unsafe { libc::symlinkat(t.as_ptr(), at.fd(), at.name.as_ptr()) })
+    }
+
+    /// mknod(2) of `p`, however long.
+    fn mknod(&mut self, p: &Path, mode: u32, rdev: u64) -> io::Result<()> {
+        let at = self.long.at(p)?;
+        // SAFETY: a valid C string.
+        let rc = unsafe {
+            libc::mknodat(
+                at.fd(),
+                at.name.as_ptr(),
+                mode as libc::mode_t,
+                rdev as libc::dev_t,
+            )
+        };
+        check(rc)
+    }
+
+    /// link(2): `p` as a new name of `first`, either of them however long.
+    fn hard_link(&mut self, first: &Path, p: &Path) -> io::Result<()> {
+        let old = self.long.at(first)?;
+        let new = self.long.at(p)?;
+        // SAFETY: valid C strings.
+        check(unsafe { libc::linkat(old.fd(), old.name.as_ptr(), new.fd(), new.name.as_ptr(), 0) })
     }
 }
 
@@ -425,13 +489,4 @@ fn name_ok(name: &[u8]) -> bool {
         && name != b".."
         && !name.contains(&b'/')
         && !name.contains(&0)
-}
-
-fn mknod(p: &Path, mode: u32, rdev: u64) -> io::Result<()> {
-    let c = CString::new(p.as_os_str().as_bytes())?;
-    // SAFETY: a valid C string.
-    if unsafe { libc::mknod(c.as_ptr(), mode as libc::mode_t, rdev as libc::dev_t) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
