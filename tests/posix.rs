@@ -3517,6 +3517,84 @@ fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
     drop(ro);
 }
 
+/// A block device that something else holds is not birchfs's to write: while birchfs
+/// is mounted on it, mkfs.ext4 will not touch it (birchfs claims it, O_EXCL); while
+/// the kernel has ext4 mounted on it, `birchfs mkfs --force` and `birchfs mount`
+/// refuse it and leave it whole (both wrote over the mounted ext4 before).
+#[test]
+fn a_block_device_in_use_by_the_system_is_refused() {
+    let mut m = Mount::on_loop_device("256M");
+    fs::write(m.path("f"), b"kept").unwrap();
+    let dev = m.image().to_path_buf();
+    let mkfs_ext4 = |dev: &Path| {
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F"])
+            .arg(dev)
+            .output()
+    };
+    let Ok(out) = mkfs_ext4(&dev) else {
+        eprintln!("note: no mkfs.ext4 here; skipped");
+        return;
+    };
+    assert!(
+        !out.status.success(),
+        "mkfs.ext4 wrote over a mounted birchfs:\n{}",
+        describe(&out)
+    );
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
+    m.unmount();
+    let c = m.check();
+    assert!(c.status.success(), "check:\n{}", describe(&c));
+
+    let out = mkfs_ext4(&dev).unwrap();
+    assert!(out.status.success(), "mkfs.ext4:\n{}", describe(&out));
+    /// A kernel mount, unmounted when dropped.
+    struct KernelMount(PathBuf);
+    impl Drop for KernelMount {
+        fn drop(&mut self) {
+            let out = run(Command::new("umount").arg(&self.0), Duration::from_secs(60));
+            if !out.status.success() {
+                eprintln!("umount {}:\n{}", self.0.display(), describe(&out));
+            }
+        }
+    }
+    let kdir = tempfile::tempdir().unwrap();
+    let out = run(
+        Command::new("mount")
+            .args(["-t", "ext4"])
+            .arg(&dev)
+            .arg(kdir.path()),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "mount -t ext4:\n{}", describe(&out));
+    let k = KernelMount(kdir.path().to_path_buf());
+    fs::write(kdir.path().join("keep"), b"ext4's").unwrap();
+    let busy = |out: &std::process::Output| {
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("in use by the system")
+    };
+    let out = m.mkfs(&["--force"]);
+    assert!(
+        busy(&out),
+        "mkfs --force of a mounted ext4:\n{}",
+        describe(&out)
+    );
+    let out = m.try_mount(&[]);
+    assert!(busy(&out), "mount of a mounted ext4:\n{}", describe(&out));
+    assert!(!m.is_mounted());
+    assert_eq!(fs::read(kdir.path().join("keep")).unwrap(), b"ext4's");
+    drop(k);
+    let out = run(
+        Command::new("e2fsck").arg("-fn").arg(&dev),
+        Duration::from_secs(120),
+    );
+    assert!(
+        out.status.success(),
+        "e2fsck after the refusals:\n{}",
+        describe(&out)
+    );
+}
+
 /// mkfs will not overwrite another filesystem unforced (ext4 here, as mkfs.ext4 makes
 /// it), and once forced, leaves no trace of it where blkid would find it.
 #[test]

@@ -104,9 +104,30 @@ thread_local! {
 
 impl FileDev {
     /// Opens `path` and takes an exclusive lock on it; fails with `WouldBlock` if another
-    /// process (a mounted birchfs) holds it.
+    /// process (a mounted birchfs) holds it. A block device opened for writing is
+    /// also claimed from the kernel (O_EXCL): one that is mounted, or held by LVM, md,
+    /// swap or another exclusive opener, fails with `ResourceBusy`, and while birchfs
+    /// holds it, the kernel will not mount it.
     pub fn open(path: &Path, writable: bool) -> io::Result<FileDev> {
-        let mut file = OpenOptions::new().read(true).write(writable).open(path)?;
+        use std::os::unix::fs::OpenOptionsExt;
+        let claim =
+            writable && std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .custom_flags(if claim { libc::O_EXCL } else { 0 })
+            .open(path)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EBUSY) if claim => io::Error::new(
+                    io::ErrorKind::ResourceBusy,
+                    format!(
+                        "{} is in use by the system (mounted, or held by LVM, md, swap \
+                         or another program); birchfs will not write to it",
+                        path.display()
+                    ),
+                ),
+                _ => e,
+            })?;
         // SAFETY: flock on a valid fd owned by `file`.
         let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
         if rc != 0 {
@@ -126,7 +147,6 @@ impl FileDev {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
         let direct = if writable {
-            use std::os::unix::fs::OpenOptionsExt;
             OpenOptions::new()
                 .read(true)
                 .write(true)
