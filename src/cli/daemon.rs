@@ -156,8 +156,16 @@ fn mount_serve(
         ffs.offer_uring();
     }
     let served = ffs.clone();
-    let mut session = fuser::Session::new(ffs, mountpoint, &cfg)
-        .with_context(|| format!("cannot mount on {}", mountpoint.display()))?;
+    let mut session = fuser::Session::new(ffs, mountpoint, &cfg).map_err(|e| {
+        let why = match e.raw_os_error() {
+            Some(libc::EACCES | libc::EPERM) if !fuse_device_open_to_us() => {
+                "; this user may not open /dev/fuse (most distributions make it mode 0666): \
+                 mount as root, or ask the administrator for access"
+            }
+            _ => "",
+        };
+        anyhow::anyhow!("cannot mount on {}: {e}{why}", mountpoint.display())
+    })?;
     served.set_notifier(session.notifier());
     let rings = if served.uring_agreed() {
         let (rings, r) = uring::Rings::start(&served, session.as_fd(), mo.ring);
@@ -441,6 +449,13 @@ fn spawn_while_mounted(
             }
         })?;
     Ok(())
+}
+
+/// Whether this process may read and write /dev/fuse (a non-root mount opens it
+/// before it asks fusermount3 to mount).
+fn fuse_device_open_to_us() -> bool {
+    // SAFETY: access on a valid C string.
+    unsafe { libc::access(c"/dev/fuse".as_ptr(), libc::R_OK | libc::W_OK) == 0 }
 }
 
 #[cfg(test)]
