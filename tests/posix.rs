@@ -4174,6 +4174,73 @@ fn syncfs_succeeds_after_an_unlink() {
     }
 }
 
+/// `timeout=` and `negative_timeout=` let the kernel keep names, attributes and
+/// missing names: a second walk over the same files and a second look for a missing
+/// name send nothing, and every change made through the mount shows at once all the
+/// same (the kernel drops what it kept of what it changes): a name created where one
+/// was missing, a link count, a mode, a rename, an unlink, a snapshot.
+#[test]
+fn long_timeouts_keep_what_the_kernel_was_told_and_every_change_shows() {
+    let mut m = Mount::unmounted("128M");
+    m.mount_with(&["timeout=3600", "negative_timeout=3600"]);
+    let kinds = ["lookup", "getattr"];
+    let asked = |m: &Mount| {
+        let requests = &daemon_stats(m)["requests"];
+        kinds.map(|k| requests[k].as_u64().unwrap_or(0))
+    };
+    fs::create_dir(m.path("d")).unwrap();
+    for i in 0..50 {
+        fs::write(m.path(format!("d/f{i}")), b"x").unwrap();
+    }
+    let walk = |m: &Mount| {
+        for i in 0..50 {
+            fs::symlink_metadata(m.path(format!("d/f{i}"))).unwrap();
+        }
+        assert!(fs::symlink_metadata(m.path("d/missing")).is_err());
+    };
+    walk(&m);
+    // Past the default one-second timeout, which would send them all again.
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = asked(&m);
+    walk(&m);
+    assert_eq!(
+        asked(&m),
+        before,
+        "lookups or getattrs sent for what the kernel kept"
+    );
+    // Changes through the mount show at once.
+    fs::write(m.path("d/missing"), b"now here").unwrap();
+    assert_eq!(fs::read(m.path("d/missing")).unwrap(), b"now here");
+    fs::hard_link(m.path("d/f0"), m.path("d/g0")).unwrap();
+    assert_eq!(stat(&m.path("d/f0")).nlink(), 2);
+    fs::remove_file(m.path("d/g0")).unwrap();
+    assert_eq!(stat(&m.path("d/f0")).nlink(), 1);
+    assert!(fs::symlink_metadata(m.path("d/g0")).is_err());
+    fs::set_permissions(m.path("d/f1"), fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(stat(&m.path("d/f1")).mode() & 0o7777, 0o600);
+    fs::rename(m.path("d/f2"), m.path("d/f3")).unwrap();
+    assert!(fs::symlink_metadata(m.path("d/f2")).is_err());
+    assert_eq!(stat(&m.path("d")).nlink(), 2);
+    assert!(fs::symlink_metadata(m.path(".snapshots/s")).is_err());
+    let out = birchfs([
+        "snapshot".as_ref(),
+        "create".as_ref(),
+        m.root().as_os_str(),
+        "s".as_ref(),
+    ]);
+    assert!(out.status.success(), "snapshot create:\n{}", describe(&out));
+    assert_eq!(
+        fs::read(m.path(".snapshots/s/d/missing")).unwrap(),
+        b"now here"
+    );
+    // A file written and closed shows its blocks (close drops the kernel's count).
+    fs::write(m.path("big"), vec![7u8; 1 << 20]).unwrap();
+    assert!(stat(&m.path("big")).blocks() >= 2048);
+    m.remount();
+    assert_eq!(fs::read(m.path("d/missing")).unwrap(), b"now here");
+    m.unmount();
+}
+
 /// `birchfs stats` counts the FUSE requests served, per kind: a create, an fsync, a
 /// rename and an unlink show up as one request each (also over io_uring, where they
 /// take another way in), the data as writes, and `birchfs stats` names them.

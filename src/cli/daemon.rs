@@ -151,6 +151,7 @@ fn mount_serve(
     cfg.clone_fd = true;
     let mut ffs = FuseFs::new(fs.clone());
     ffs.direct_reads(mo.direct_read());
+    ffs.timeouts(mo.timeouts);
     ffs.gather_fsyncs(mo.gather);
     if want_uring(mo.uring)? {
         ffs.offer_uring();

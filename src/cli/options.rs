@@ -25,6 +25,8 @@ pub(crate) struct MountOpts {
     pub(crate) direct_read: Option<Option<u64>>,
     /// The generic mount flags asked for (nosuid, nodev, noexec, noatime, sync).
     pub(crate) vfs: VfsFlags,
+    /// How long the kernel may cache names and attributes.
+    pub(crate) timeouts: birchfs::fuse::Timeouts,
 }
 
 /// Generic mount flags, which the kernel enforces on the mount.
@@ -97,7 +99,8 @@ fn unknown_option(opt: &str) -> String {
         "unknown mount option '{opt}' (known: commit=SECONDS, cache_size=SIZE, \
          folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, threads=N, \
          fsync_gather=on|off, direct_read=SIZE|off, uring=auto|on|off, uring_threads=N, \
-         uring_depth=N, discard[=SIZE], nodiscard, ro, rw, nosuid, nodev, noexec, noatime, sync, defaults)"
+         uring_depth=N, discard[=SIZE], nodiscard, timeout=SECONDS, negative_timeout=SECONDS, \
+         ro, rw, nosuid, nodev, noexec, noatime, sync, defaults)"
     )
 }
 
@@ -111,6 +114,15 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
         gather: true,
         direct_read: None,
         vfs: VfsFlags::default(),
+        timeouts: Default::default(),
+    };
+    // Seconds, with a fraction if wanted, up to a day.
+    let seconds = |opt: &str, v: &str| {
+        v.parse::<f64>()
+            .ok()
+            .filter(|s| (0.0..=86_400.0).contains(s))
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| anyhow!("bad value in mount option '{opt}' (0 to 86400 seconds)"))
     };
     let count = |opt: &str, v: &str, max: usize| {
         v.parse()
@@ -141,6 +153,8 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
                 o.fs.cache.dirty_expire = Duration::from_secs(secs);
             }
             Some(("threads", v)) => o.threads = count(opt, v, 256)?,
+            Some(("timeout", v)) => o.timeouts.entry = seconds(opt, v)?,
+            Some(("negative_timeout", v)) => o.timeouts.negative = seconds(opt, v)?,
             Some(("uring", "on")) => o.uring = UringMode::On,
             Some(("uring", "off")) => o.uring = UringMode::Off,
             Some(("uring", "auto")) => o.uring = UringMode::Auto,
@@ -241,6 +255,14 @@ mod tests {
         assert_eq!(parse("discard").unwrap().fs.discard, Some(1 << 20));
         assert_eq!(parse("discard=64K").unwrap().fs.discard, Some(64 << 10));
         assert_eq!(parse("discard,nodiscard").unwrap().fs.discard, None);
+        let t = parse("timeout=30,negative_timeout=0.5").unwrap().timeouts;
+        assert_eq!(t.entry, Duration::from_secs(30));
+        assert_eq!(t.negative, Duration::from_millis(500));
+        let t = parse("defaults").unwrap().timeouts;
+        assert_eq!(
+            (t.entry, t.negative),
+            (Duration::from_secs(1), Duration::ZERO)
+        );
         // Unset, direct_read follows the cache size.
         assert_eq!(
             parse("cache_size=32M").unwrap().direct_read(),
@@ -262,6 +284,9 @@ mod tests {
             ("discard=1K", "discard=1K"),
             ("discard=x", "discard=x"),
             ("cache_size=1000000T", "more than the memory"),
+            ("timeout=-1", "timeout=-1"),
+            ("negative_timeout=90000", "negative_timeout=90000"),
+            ("timeout=soon", "timeout=soon"),
         ] {
             let e = format!("{:#}", parse(opt).err().expect(opt));
             assert!(e.contains(says), "{opt}: {e}");

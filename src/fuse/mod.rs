@@ -12,4 +12,4 @@ mod ops;
 pub mod uring;
 
 pub use abi::{BIRCHFS_IOC_SYNC, FITRIM};
-pub use ops::{FuseFs, SNAPSHOT_XATTR, SPACE_XATTR, STATS_XATTR};
+pub use ops::{FuseFs, Timeouts, SNAPSHOT_XATTR, SPACE_XATTR, STATS_XATTR};

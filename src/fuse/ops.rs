@@ -32,7 +32,24 @@ use crate::fs::{
     SetAttr, TimeSet, ROOT_INO,
 };
 
-pub(crate) const TTL: Duration = Duration::from_secs(1);
+/// How long the kernel may trust what it was told, without asking again.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timeouts {
+    /// Names and attributes (`timeout=`).
+    pub entry: Duration,
+    /// Names that do not exist (`negative_timeout=`); zero: ask every time.
+    pub negative: Duration,
+}
+
+impl Default for Timeouts {
+    /// One second for names and attributes, nothing for names that do not exist.
+    fn default() -> Timeouts {
+        Timeouts {
+            entry: Duration::from_secs(1),
+            negative: Duration::ZERO,
+        }
+    }
+}
 
 /// A virtual xattr of the mount's root: the daemon's statistics as JSON
 /// (what `birchfs stats` reads). It is not listed and cannot be set.
@@ -174,6 +191,8 @@ pub struct FuseFs {
     writers: Arc<Writers>,
     /// Tells the kernel of changes the daemon makes on its own (set once mounted).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
+    /// How long the kernel may cache names and attributes.
+    ttl: Timeouts,
 }
 
 impl FuseFs {
@@ -192,7 +211,13 @@ impl FuseFs {
             dirs: Default::default(),
             writers: Default::default(),
             notifier: Default::default(),
+            ttl: Timeouts::default(),
         }
+    }
+
+    /// Sets how long the kernel may cache names, attributes and missing names.
+    pub fn timeouts(&mut self, t: Timeouts) {
+        self.ttl = t;
     }
 
     /// Gives the session's notifier, through which the kernel hears of attribute
@@ -471,20 +496,6 @@ fn empty(r: crate::Result<()>, reply: impl AnswerEmpty) {
     }
 }
 
-fn entry(r: crate::Result<Attr>, reply: impl AnswerEntry) {
-    match r {
-        Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(a.generation)),
-        Err(e) => reply.error(errno(&e)),
-    }
-}
-
-fn attr(r: crate::Result<Attr>, reply: impl AnswerAttr) {
-    match r {
-        Ok(a) => reply.attr(&TTL, &fattr(&a)),
-        Err(e) => reply.error(errno(&e)),
-    }
-}
-
 /// What a setattr of deleted inode `ino` answers: a regular file with no links.
 fn deleted_attr(ino: u64) -> Attr {
     Attr {
@@ -636,8 +647,34 @@ impl FuseFs {
         }
     }
 
+    /// Answers with a name's inode, cached by the kernel for the entry timeout.
+    fn entry(&self, r: crate::Result<Attr>, reply: impl AnswerEntry) {
+        match r {
+            Ok(a) => reply.entry(&self.ttl.entry, &fattr(&a), Generation(a.generation)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// Answers with attributes, cached by the kernel for the entry timeout.
+    fn attr(&self, r: crate::Result<Attr>, reply: impl AnswerAttr) {
+        match r {
+            Ok(a) => reply.attr(&self.ttl.entry, &fattr(&a)),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// A name that does not exist is answered as an entry of inode 0 when the
+    /// negative timeout is set, which the kernel caches as a negative dentry; every
+    /// name the kernel creates itself replaces it, and the daemon makes none alone.
     pub(crate) fn lookup(&self, parent: u64, name: &[u8], reply: impl AnswerEntry) {
-        entry(self.fs.lookup(to_ino(parent), name), reply)
+        match self.fs.lookup(to_ino(parent), name) {
+            Err(Error::NotFound) if !self.ttl.negative.is_zero() => {
+                let mut none = fattr(&deleted_attr(0));
+                none.ino = INodeNo(0);
+                reply.entry(&self.ttl.negative, &none, Generation(0))
+            }
+            r => self.entry(r, reply),
+        }
     }
 
     pub(crate) fn forget(&self, nodeid: u64, nlookup: u64) {
@@ -660,7 +697,7 @@ impl FuseFs {
         if fh.is_some() && self.writers.take_no_space(ino) {
             return reply.error(err(libc::ENOSPC));
         }
-        attr(self.fs.getattr(ino), reply)
+        self.attr(self.fs.getattr(ino), reply)
     }
 
     pub(crate) fn setattr(&self, c: &Caller, nodeid: u64, s: SetAttrIn, reply: impl AnswerAttr) {
@@ -708,7 +745,7 @@ impl FuseFs {
                 tracing::debug!("times of inode {ino}, deleted: nothing to set");
                 reply.attr(&Duration::ZERO, &fattr(&deleted_attr(ino)))
             }
-            r => attr(r, reply),
+            r => self.attr(r, reply),
         }
     }
 
@@ -730,7 +767,7 @@ impl FuseFs {
         umask: u32,
         reply: impl AnswerEntry,
     ) {
-        entry(
+        self.entry(
             self.make(c, to_ino(parent), name, mode, rdev as u64, umask),
             reply,
         )
@@ -746,7 +783,7 @@ impl FuseFs {
         reply: impl AnswerEntry,
     ) {
         let mode = libc::S_IFDIR | (mode & 0o7777);
-        entry(self.make(c, to_ino(parent), name, mode, 0, umask), reply)
+        self.entry(self.make(c, to_ino(parent), name, mode, 0, umask), reply)
     }
 
     pub(crate) fn unlink(&self, parent: u64, name: &[u8], reply: impl AnswerEmpty) {
@@ -767,7 +804,7 @@ impl FuseFs {
     ) {
         let p = to_ino(parent);
         let (cr, _) = self.creds(c, p);
-        entry(self.fs.symlink(p, name, target, cr), reply)
+        self.entry(self.fs.symlink(p, name, target, cr), reply)
     }
 
     /// `flags` are rename2's RENAME_* bits.
@@ -815,7 +852,7 @@ impl FuseFs {
         newname: &[u8],
         reply: impl AnswerEntry,
     ) {
-        entry(
+        self.entry(
             self.fs.link(to_ino(nodeid), to_ino(newparent), newname),
             reply,
         )
@@ -1104,7 +1141,7 @@ impl FuseFs {
                         to_fuse(e.ino),
                         e.next_offset,
                         OsStr::from_bytes(&e.name),
-                        &TTL,
+                        &self.ttl.entry,
                         &fattr(&a),
                         Generation(a.generation),
                     );
@@ -1222,7 +1259,7 @@ impl FuseFs {
                 self.direct.created(a.ino);
                 self.writers.opened(a.ino, flags);
                 reply.created(
-                    &TTL,
+                    &self.ttl.entry,
                     &fattr(&a),
                     Generation(a.generation),
                     FileHandle(0),
