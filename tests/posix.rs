@@ -3595,6 +3595,57 @@ fn a_block_device_in_use_by_the_system_is_refused() {
     );
 }
 
+/// An image and a loop device over it are one filesystem: while either is mounted,
+/// a mount of the other is refused (each took the other for a free image, and both
+/// daemons wrote the same blocks).
+#[test]
+fn an_image_and_a_loop_device_over_it_are_not_mounted_twice() {
+    let mut m = Mount::on_loop_device("256M");
+    fs::write(m.path("f"), b"kept").unwrap();
+    let backing = m.host_dir().join("backing");
+    let dir = m.host_dir().join("file-mnt");
+    fs::create_dir(&dir).unwrap();
+    let cli =
+        |args: &[&std::ffi::OsStr]| run(Command::new(BIN).args(args), Duration::from_secs(60));
+    /// Unmounts the file's mount if the test fails with it mounted.
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            if is_mounted_at(&self.0) {
+                let _ = Command::new(BIN).arg("umount").arg(&self.0).status();
+            }
+        }
+    }
+    let _c = Cleanup(dir.clone());
+    let out = cli(&["mount".as_ref(), backing.as_os_str(), dir.as_os_str()]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("in use"),
+        "mount of the file under a mounted loop device:\n{}",
+        describe(&out)
+    );
+    assert!(!is_mounted_at(&dir));
+    m.unmount();
+    let out = cli(&["mount".as_ref(), backing.as_os_str(), dir.as_os_str()]);
+    assert!(
+        out.status.success(),
+        "mount of the file:\n{}",
+        describe(&out)
+    );
+    assert_eq!(fs::read(dir.join("f")).unwrap(), b"kept");
+    let out = m.try_mount(&[]);
+    assert!(
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("is a loop device over"),
+        "mount of the loop device over a mounted file:\n{}",
+        describe(&out)
+    );
+    let out = cli(&["umount".as_ref(), dir.as_os_str()]);
+    assert!(out.status.success(), "umount:\n{}", describe(&out));
+    m.mount_with(&[]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
+    m.unmount();
+}
+
 /// mkfs will not overwrite another filesystem unforced (ext4 here, as mkfs.ext4 makes
 /// it), and once forced, leaves no trace of it where blkid would find it.
 #[test]

@@ -52,6 +52,9 @@ pub struct FileDev {
     reads_direct: bool,
     /// Whether this is a block device (discards are BLKDISCARD, not holes).
     bdev: bool,
+    /// For a loop device, its backing file, locked as the image itself is: a mount
+    /// of the file and one of the loop device over it would write the same blocks.
+    _backing: Option<File>,
 }
 
 /// Writes to an image file at least this large (and aligned) bypass the host page cache.
@@ -141,7 +144,13 @@ impl FileDev {
             return Err(e);
         }
         let size = file.seek(SeekFrom::End(0))?;
-        let bdev = file.metadata()?.file_type().is_block_device();
+        let meta = file.metadata()?;
+        let bdev = meta.file_type().is_block_device();
+        let backing = if bdev {
+            lock_backing(path, &meta)?
+        } else {
+            None
+        };
         if writable && bdev && read_only_bdev(&file) {
             // It opens for writing all the same, and every write fails (EPERM).
             return Err(io::Error::from_raw_os_error(libc::EROFS));
@@ -168,6 +177,7 @@ impl FileDev {
             // On a block device every aligned read goes direct (see the module's notes).
             reads_direct: bdev,
             bdev,
+            _backing: backing,
         })
     }
 
@@ -229,6 +239,38 @@ impl FileDev {
             Ok(())
         })
     }
+}
+
+/// For a loop device, opens and locks its backing file (named in sysfs) as
+/// [`FileDev::open`] locks an image: fails with `WouldBlock` if a mount of that file
+/// holds it. Nothing for other devices, or a backing file that is gone.
+fn lock_backing(path: &Path, meta: &std::fs::Metadata) -> io::Result<Option<File>> {
+    use std::os::unix::fs::MetadataExt;
+    let rdev = meta.rdev();
+    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+    let sys = format!("/sys/dev/block/{major}:{minor}/loop/backing_file");
+    let Ok(name) = std::fs::read_to_string(&sys) else {
+        return Ok(None);
+    };
+    let name = name.trim_end_matches('\n');
+    let Ok(f) = File::open(name) else {
+        return Ok(None);
+    };
+    // SAFETY: flock on a valid fd owned by `f`.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!(
+                    "{} is a loop device over {name}, which is in use (mounted?)",
+                    path.display()
+                ),
+            ));
+        }
+        return Err(e);
+    }
+    Ok(Some(f))
 }
 
 /// Whether the block device `f` is set read-only (`blockdev --setro`, `losetup -r`).
