@@ -2409,6 +2409,12 @@ fn xattrs_set_get_list_remove_and_persist() {
         vec!["user.a", "user.big", "user.binary", "user.empty"]
     );
 
+    // names outside the namespaces a kernel filesystem stores, as ext4 answers
+    for name in ["foo", "system.foo", "users.a"] {
+        expect_errno(setxattr(&f, name, b"v", 0), libc::EOPNOTSUPP, name);
+    }
+    expect_errno(setxattr(&f, "user.", b"v", 0), libc::EINVAL, "user.");
+
     // the size query and a too-small buffer
     assert_eq!(getxattr_sized(&f, "user.a", 0).unwrap().0, 5);
     expect_errno(

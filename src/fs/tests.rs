@@ -326,6 +326,21 @@ fn xattrs() {
     assert_eq!(l, vec![b"user.a".to_vec(), b"user.b".to_vec()]);
     fs.removexattr(f.ino, b"user.a").unwrap();
     assert!(matches!(fs.getxattr(f.ino, b"user.a"), Err(Error::NoData)));
+    // Only the namespaces a kernel filesystem stores take new names.
+    for ok in [&b"trusted.t"[..], b"security.s", b"user.\xff"] {
+        fs.setxattr(f.ino, ok, b"v", false, false).unwrap();
+    }
+    for (bad, errno) in [
+        (&b"foo"[..], libc::EOPNOTSUPP),
+        (b"system.foo", libc::EOPNOTSUPP),
+        (b"users.x", libc::EOPNOTSUPP),
+        (b"user.", libc::EINVAL),
+        (b"security.", libc::EINVAL),
+    ] {
+        let e = fs.setxattr(f.ino, bad, b"v", false, false).unwrap_err();
+        assert_eq!(e.errno(), errno, "{}", String::from_utf8_lossy(bad));
+    }
+    assert_eq!(fs.listxattr(f.ino).unwrap().len(), 4);
 }
 
 #[test]

@@ -54,6 +54,26 @@ impl Inner {
         Ok(())
     }
 
+    /// A name that a new xattr may take: in the `user.`, `trusted.` or `security.`
+    /// namespace with a name after the prefix, or a POSIX ACL. Any other (no
+    /// namespace, a `system.` one birchfs does not know) is EOPNOTSUPP, as a kernel
+    /// filesystem's xattr handlers answer; a bare prefix is EINVAL.
+    fn check_new_xattr_name(name: &[u8]) -> Result<()> {
+        if super::acl::is_acl_name(name) {
+            return Ok(());
+        }
+        let rest = [&b"user."[..], b"trusted.", b"security."]
+            .iter()
+            .find_map(|p| name.strip_prefix(*p));
+        match rest {
+            None => Err(Error::NotSupported),
+            Some([]) => Err(Error::Invalid(
+                "xattr name with nothing after its namespace",
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
     fn touch_ctime(&mut self, ino: u64) -> Result<()> {
         let mut i = self.get_inode(ino)?;
         i.ctime = Timespec::now();
@@ -69,6 +89,7 @@ impl Inner {
         replace: bool,
     ) -> Result<()> {
         Self::check_xattr_name(name)?;
+        Self::check_new_xattr_name(name)?;
         if value.len() > XATTR_SIZE_MAX {
             return Err(Error::ArgTooBig);
         }
