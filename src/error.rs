@@ -104,7 +104,17 @@ impl Error {
             Error::ReadOnly => libc::EROFS,
             Error::NotSupported => libc::EOPNOTSUPP,
             Error::Corrupt { .. } | Error::BadImage(_) => libc::EIO,
-            Error::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            Error::Io(e) => match e.raw_os_error() {
+                // The host's own state reaches the caller as such: out of room
+                // (see `birchfs sync`), out of quota, read-only, out of memory.
+                Some(c @ (libc::ENOSPC | libc::EDQUOT | libc::EROFS | libc::ENOMEM)) => c,
+                // A block device set read-only refuses writes with EPERM, which a
+                // caller would take for a permission of its own.
+                Some(libc::EPERM) => libc::EROFS,
+                // Anything else the device answers (a device gone: ENXIO, ENODEV;
+                // EBADF, EINVAL, EFBIG of the image on its host) is an I/O error here.
+                _ => libc::EIO,
+            },
         }
     }
 
@@ -119,3 +129,28 @@ impl Error {
 
 /// Result with the library's error.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the device answers reaches the caller as the host's state where it says
+    /// something about it, EROFS for a device set read-only (EPERM), else EIO.
+    #[test]
+    fn device_errors_become_errnos_a_caller_can_act_on() {
+        let io = |c| Error::Io(io::Error::from_raw_os_error(c)).errno();
+        for (device, caller) in [
+            (libc::ENOSPC, libc::ENOSPC),
+            (libc::EDQUOT, libc::EDQUOT),
+            (libc::EROFS, libc::EROFS),
+            (libc::EPERM, libc::EROFS),
+            (libc::EIO, libc::EIO),
+            (libc::ENXIO, libc::EIO),
+            (libc::EACCES, libc::EIO),
+            (libc::EBADF, libc::EIO),
+        ] {
+            assert_eq!(io(device), caller, "device errno {device}");
+        }
+        assert_eq!(Error::Io(io::Error::other("no errno")).errno(), libc::EIO);
+    }
+}

@@ -3478,6 +3478,87 @@ fn mount_refuses_a_file_that_is_not_birchfs() {
     );
 }
 
+/// Runs `blockdev FLAG DEV`.
+fn blockdev(flag: &str, dev: &Path) -> std::process::Output {
+    run(
+        Command::new("blockdev").arg(flag).arg(dev),
+        Duration::from_secs(30),
+    )
+}
+
+/// A block device set read-only until dropped: the flag outlives `losetup -d`, and
+/// later tests would get a read-only loop device.
+struct ReadOnly(PathBuf);
+
+impl ReadOnly {
+    /// Sets `dev` read-only (`blockdev --setro`).
+    #[track_caller]
+    fn set(dev: &Path) -> ReadOnly {
+        let out = blockdev("--setro", dev);
+        let ro = ReadOnly(dev.to_path_buf());
+        assert!(
+            out.status.success(),
+            "blockdev --setro:\n{}",
+            describe(&out)
+        );
+        ro
+    }
+}
+
+impl Drop for ReadOnly {
+    fn drop(&mut self) {
+        let out = blockdev("--setrw", &self.0);
+        if !out.status.success() {
+            eprintln!("blockdev --setrw {}:\n{}", self.0.display(), describe(&out));
+        }
+    }
+}
+
+/// A device that turns read-only under a mount (as a failing disk does): fsync says
+/// EROFS (it said EPERM, "Operation not permitted", as if the caller lacked a
+/// right), unmount says the last commit failed, and once the device is writable
+/// again every fsynced block is there (log replay).
+#[test]
+fn a_device_that_turns_read_only_under_a_mount_fails_fsync_with_erofs() {
+    let mut m = Mount::on_loop_device("256M");
+    let mut f = File::create(m.path("f")).unwrap();
+    for i in 0..20u8 {
+        f.write_all(&[i; 4096]).unwrap();
+        f.sync_all().unwrap();
+    }
+    let ro = ReadOnly::set(m.image());
+    f.write_all(&[99; 4096]).unwrap();
+    let e = f.sync_all().unwrap_err();
+    assert_eq!(
+        e.raw_os_error(),
+        Some(libc::EROFS),
+        "fsync on a read-only device: {e}"
+    );
+    drop(f);
+    let out = birchfs(["umount".as_ref(), m.root().as_os_str()]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("commit"),
+        "umount with a read-only device:\n{}",
+        describe(&out)
+    );
+    m.mark_unmounted();
+    drop(ro);
+    m.mount_with(&[]);
+    let got = fs::read(m.path("f")).unwrap();
+    assert!(
+        got.len() >= 20 * 4096,
+        "fsynced blocks lost: {} bytes",
+        got.len()
+    );
+    for i in 0..20u8 {
+        assert!(
+            got[i as usize * 4096..][..4096].iter().all(|&b| b == i),
+            "block {i}"
+        );
+    }
+    m.unmount();
+}
+
 /// A block device set read-only is refused a read-write mount with a hint (it opens
 /// for writing, and the first write failed with EPERM, "I/O error"), and mounts `ro`.
 #[test]
@@ -3485,31 +3566,7 @@ fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
     let mut m = Mount::on_loop_device("256M");
     fs::write(m.path("f"), b"kept").unwrap();
     m.unmount();
-    /// Sets the device read-only until dropped: the flag outlives `losetup -d`, and
-    /// later tests would get a read-only loop device.
-    struct ReadOnly(PathBuf);
-    fn blockdev(flag: &str, dev: &Path) -> std::process::Output {
-        run(
-            Command::new("blockdev").arg(flag).arg(dev),
-            Duration::from_secs(30),
-        )
-    }
-    impl Drop for ReadOnly {
-        fn drop(&mut self) {
-            let out = blockdev("--setrw", &self.0);
-            if !out.status.success() {
-                eprintln!("blockdev --setrw {}:\n{}", self.0.display(), describe(&out));
-            }
-        }
-    }
-    let dev = m.image().to_path_buf();
-    let out = blockdev("--setro", &dev);
-    let ro = ReadOnly(dev);
-    assert!(
-        out.status.success(),
-        "blockdev --setro:\n{}",
-        describe(&out)
-    );
+    let ro = ReadOnly::set(m.image());
     let out = m.try_mount(&[]);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(

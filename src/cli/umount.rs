@@ -155,8 +155,9 @@ const SYNC_WAIT: Duration = Duration::from_secs(30);
 /// Runs `birchfs sync` on `mountpoint` for at most `wait`. Fails, so that nothing is
 /// unmounted, only when the commit found no room on the image's host: then nothing is
 /// lost yet, and freeing space there lets a second `birchfs umount` write everything.
-/// Other outcomes are told and the unmount goes on (its last commit reports the rest).
-fn sync_before_unmount(mountpoint: &Path, wait: Duration) -> Result<()> {
+/// Another failure (a device that went read-only, writes the kernel could not hand
+/// over) is returned, and the unmount goes on and then reports it.
+fn sync_before_unmount(mountpoint: &Path, wait: Duration) -> Result<Option<String>> {
     use std::io::Read;
     let exe = std::env::current_exe().context("cannot find own executable")?;
     let mut child = Command::new(exe)
@@ -187,17 +188,14 @@ fn sync_before_unmount(mountpoint: &Path, wait: Duration) -> Result<()> {
     }
     let err = err.trim().trim_start_matches("birchfs: ");
     match status.and_then(|s| s.code()) {
-        None | Some(0) => Ok(()),
+        None | Some(0) => Ok(None),
         Some(c) if c == i32::from(crate::SYNC_NO_ROOM) => bail!(
             "{err}\nnothing was unmounted: free space on the image's host, then run \
              `birchfs umount` again (`umount {}` unmounts at once, and loses what birchfs \
              could not write)",
             mountpoint.display()
         ),
-        Some(_) => {
-            eprintln!("birchfs umount: {err}");
-            Ok(())
-        }
+        Some(_) => Ok(Some(err.to_string())),
     }
 }
 
@@ -228,10 +226,20 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
     // Commit first, while nothing is lost if that fails for want of room on the host: the
     // daemon would otherwise fail the same commit after the unmount, with no one to
     // tell. A stopped daemon would keep the sync waiting; it is unmounted as before.
-    if daemon.as_ref().is_some_and(|d| !d.stopped()) {
+    let failed = if daemon.as_ref().is_some_and(|d| !d.stopped()) {
         let wait = timeout.map_or(SYNC_WAIT, |t| t.min(SYNC_WAIT));
-        sync_before_unmount(&abs, wait)?;
-    }
+        sync_before_unmount(&abs, wait)?
+    } else {
+        None
+    };
+    // Unmounted and the daemon done: what the sync before found wrong, if anything.
+    let done = || match &failed {
+        None => Ok(()),
+        Some(err) => Err(anyhow::anyhow!(
+            "{} is unmounted, but: {err}",
+            abs.display()
+        )),
+    };
     let target = abs.as_os_str().as_bytes();
     let c = std::ffi::CString::new(target).context("mountpoint with a NUL byte")?;
     // SAFETY: umount2 on a valid C string.
@@ -272,7 +280,7 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
             )
         } == 0
         {
-            return Ok(());
+            return done();
         }
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
@@ -280,7 +288,7 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
         }
         // Gone, and someone else holds the lock now (a new mount of the image).
         if daemon.as_ref().is_some_and(Daemon::exited) {
-            return Ok(());
+            return done();
         }
         if let Some(t) = timeout.filter(|&t| start.elapsed() >= t) {
             bail!(
