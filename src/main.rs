@@ -666,17 +666,19 @@ fn run() -> Result<ExitCode> {
         } => {
             if !foreground {
                 cli::options::parse_mount_options(&options)?;
-                let mut args: Vec<String> = Vec::new();
+                // Paths go to the daemon as they are (not as text: a name need not
+                // be UTF-8).
+                let mut args: Vec<std::ffi::OsString> = Vec::new();
                 if !options.is_empty() {
                     args.push("-o".into());
-                    args.push(options.join(","));
+                    args.push(options.join(",").into());
                 }
                 if let Some(l) = &log {
                     args.push("--log".into());
-                    args.push(std::path::absolute(l)?.display().to_string());
+                    args.push(std::path::absolute(l)?.into_os_string());
                 }
-                args.push(std::path::absolute(&image)?.display().to_string());
-                args.push(std::path::absolute(&mountpoint)?.display().to_string());
+                args.push(std::path::absolute(&image)?.into_os_string());
+                args.push(std::path::absolute(&mountpoint)?.into_os_string());
                 cli::daemon::mount_background(&args)?;
             } else {
                 init_logging(log.as_deref())?;

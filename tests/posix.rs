@@ -3658,6 +3658,49 @@ fn a_block_device_in_use_by_the_system_is_refused() {
     );
 }
 
+/// An image and a mount point whose names are not UTF-8 (or hold a backslash) work
+/// with every command: the background mount passed its paths on as text (the mount
+/// point became U+FFFD and was not found), and `birchfs umount` could not read the
+/// mount table while any mount's path was not UTF-8.
+#[test]
+fn names_that_are_not_utf8_mount_sync_and_unmount() {
+    use std::ffi::OsStr;
+    let m = Mount::bare();
+    let img = m.host_dir().join(OsStr::from_bytes(b"im\\g\xff.img"));
+    let mnt = m.host_dir().join(OsStr::from_bytes(b"mn\xfet"));
+    fs::create_dir(&mnt).unwrap();
+    let cli = |args: &[&OsStr]| run(Command::new(BIN).args(args), Duration::from_secs(60));
+    let out = cli(&[
+        "mkfs".as_ref(),
+        "--size".as_ref(),
+        "64M".as_ref(),
+        img.as_os_str(),
+    ]);
+    assert!(out.status.success(), "mkfs:\n{}", describe(&out));
+    let out = cli(&["mount".as_ref(), img.as_os_str(), mnt.as_os_str()]);
+    assert!(out.status.success(), "mount:\n{}", describe(&out));
+    /// Unmounts if the test fails with it mounted.
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            if is_mounted_at(&self.0) {
+                let _ = Command::new("umount").arg(&self.0).status();
+            }
+        }
+    }
+    let _c = Cleanup(mnt.clone());
+    fs::write(mnt.join("f"), b"bytes").unwrap();
+    for cmd in ["sync", "stats"] {
+        let out = cli(&[cmd.as_ref(), mnt.as_os_str()]);
+        assert!(out.status.success(), "{cmd}:\n{}", describe(&out));
+    }
+    let out = cli(&["umount".as_ref(), mnt.as_os_str()]);
+    assert!(out.status.success(), "umount:\n{}", describe(&out));
+    assert!(!is_mounted_at(&mnt));
+    let out = cli(&["check".as_ref(), img.as_os_str()]);
+    assert!(out.status.success(), "check:\n{}", describe(&out));
+}
+
 /// An image and a loop device over it are one filesystem: while either is mounted,
 /// a mount of the other is refused (each took the other for a free image, and both
 /// daemons wrote the same blocks).

@@ -18,7 +18,7 @@ use crate::cli::options::{parse_mount_options, UringMode};
 use crate::open_when_free;
 
 /// Starts the daemon in the background and waits until it reports the mount ready.
-pub(crate) fn mount_background(args: &[String]) -> Result<()> {
+pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
     let mut fds = [0i32; 2];
     // SAFETY: pipe writes two fds into the array.
     if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
@@ -134,7 +134,7 @@ fn mount_serve(
     let mut cfg = fuser::Config::default();
     cfg.mount_options = vec![
         // Absolute, so that `birchfs umount` finds the image from anywhere.
-        fuser::MountOption::FSName(format!("birchfs:{}", std::path::absolute(image)?.display())),
+        fuser::MountOption::FSName(super::umount::fsname_of(&std::path::absolute(image)?)),
         fuser::MountOption::Subtype("birchfs".into()),
         fuser::MountOption::DefaultPermissions,
     ];

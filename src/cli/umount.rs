@@ -7,12 +7,11 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 
 /// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked),
-/// from the text of /proc/self/mountinfo.
-pub(crate) fn mounted_image(mountinfo: &str, mountpoint: &Path) -> Option<PathBuf> {
+/// from the bytes of /proc/self/mountinfo (paths there need not be UTF-8, anyone's).
+pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
     use std::os::unix::ffi::OsStringExt;
     // Mountinfo writes space, tab, newline and backslash in paths as \ooo (octal).
-    let unescape = |f: &str| -> std::ffi::OsString {
-        let b = f.as_bytes();
+    let unescape = |b: &[u8]| -> std::ffi::OsString {
         let mut out = Vec::with_capacity(b.len());
         let mut i = 0;
         while i < b.len() {
@@ -34,19 +33,62 @@ pub(crate) fn mounted_image(mountinfo: &str, mountpoint: &Path) -> Option<PathBu
         std::ffi::OsString::from_vec(out)
     };
     // The last mount on the path is the one on top, which an unmount would remove.
-    let top: Vec<&str> = mountinfo
-        .lines()
+    let top: Vec<&[u8]> = mountinfo
+        .split(|&c| c == b'\n')
         .rev()
-        .map(|line| line.split(' ').collect::<Vec<&str>>())
+        .map(|line| line.split(|&c| c == b' ').collect::<Vec<&[u8]>>())
         .find(|f| {
             f.get(4)
                 .is_some_and(|m| Path::new(&unescape(m)) == mountpoint)
         })?;
-    let sep = top.iter().position(|f| *f == "-")?;
-    let (fstype, source) = (top.get(sep + 1)?, top.get(sep + 2)?);
-    let is_fuse = *fstype == "fuse" || *fstype == "fuseblk" || fstype.starts_with("fuse.");
-    let image = unescape(source.strip_prefix("birchfs:")?);
-    is_fuse.then(|| PathBuf::from(image))
+    let sep = top.iter().position(|f| *f == b"-")?;
+    let (fstype, source) = (*top.get(sep + 1)?, *top.get(sep + 2)?);
+    let is_fuse = fstype == b"fuse" || fstype == b"fuseblk" || fstype.starts_with(b"fuse.");
+    let image = unescape(source.strip_prefix(b"birchfs:")?).into_vec();
+    is_fuse.then(|| PathBuf::from(std::ffi::OsString::from_vec(from_fsname(&image))))
+}
+
+/// The mount's source name for `image` ("birchfs:" and its path), which is text: a
+/// byte of the path that is not UTF-8 is written `\\xHH`, and a backslash `\\\\`.
+pub(crate) fn fsname_of(image: &Path) -> String {
+    use std::fmt::Write;
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::from("birchfs:");
+    for chunk in image.as_os_str().as_bytes().utf8_chunks() {
+        out.push_str(&chunk.valid().replace('\\', "\\\\"));
+        for b in chunk.invalid() {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+    out
+}
+
+/// The path bytes [`fsname_of`] wrote (after "birchfs:").
+fn from_fsname(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = b.get(i + 2..i + 4).and_then(|h| {
+            u8::from_str_radix(std::str::from_utf8(h).ok()?, 16)
+                .ok()
+                .filter(|_| h.iter().all(u8::is_ascii_hexdigit))
+        });
+        match (b[i], b.get(i + 1), hex) {
+            (b'\\', Some(b'\\'), _) => {
+                out.push(b'\\');
+                i += 2;
+            }
+            (b'\\', Some(b'x'), Some(v)) => {
+                out.push(v);
+                i += 4;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Fails, saying how to clear it, when `path` is a mount whose daemon is gone (its
@@ -68,8 +110,7 @@ pub(crate) fn refuse_dead_mount(path: &Path) -> Result<()> {
 /// The image of the birchfs mounted at `mountpoint` (as given, or with its links
 /// resolved); an error when no birchfs is mounted there.
 pub(crate) fn image_mounted_at(mountpoint: &Path) -> Result<PathBuf> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo")
-        .context("cannot read /proc/self/mountinfo")?;
+    let info = std::fs::read("/proc/self/mountinfo").context("cannot read /proc/self/mountinfo")?;
     let abs = std::path::absolute(mountpoint)?;
     mounted_image(&info, &abs)
         .or_else(|| mounted_image(&info, &std::fs::canonicalize(&abs).ok()?))
@@ -321,7 +362,7 @@ mod tests {
 46 22 0:41 / /mnt/c rw - fuse sshfs:/x rw
 47 22 0:42 / /mnt/d rw shared:5 - fuseblk birchfs:/dev/loop0 rw
 ";
-        let img = |m: &str| mounted_image(info, Path::new(m));
+        let img = |m: &str| mounted_image(info.as_bytes(), Path::new(m));
         assert_eq!(img("/mnt/a b"), Some(PathBuf::from("/img/second")));
         assert_eq!(img("/mnt/d"), Some(PathBuf::from("/dev/loop0")));
         assert_eq!(img("/mnt/c"), None, "not birchfs");
@@ -329,10 +370,40 @@ mod tests {
         assert_eq!(img("/mnt"), None, "nothing mounted there");
         let first = info.replace(" fuse.birchfs birchfs:/img/second", " tmpfs none");
         assert_eq!(
-            mounted_image(&first, Path::new("/mnt/a b")),
+            mounted_image(first.as_bytes(), Path::new("/mnt/a b")),
             None,
             "the top mount is not birchfs"
         );
+        // Paths that are not UTF-8, in another mount's line and in birchfs's own.
+        let mut raw = info.as_bytes().to_vec();
+        raw.extend_from_slice(b"48 22 0:43 / /mnt/\xfe rw - ext4 /dev/sdb rw\n");
+        raw.extend_from_slice(b"49 22 0:44 / /mnt/\xff rw - fuse birchfs:/img/\\134xff rw\n");
+        use std::os::unix::ffi::OsStrExt;
+        let got = mounted_image(&raw, Path::new(std::ffi::OsStr::from_bytes(b"/mnt/\xff")));
+        assert_eq!(
+            got.as_deref().map(|p| p.as_os_str().as_bytes()),
+            Some(&b"/img/\xff"[..])
+        );
+        assert_eq!(
+            mounted_image(&raw, Path::new("/mnt/d")),
+            Some(PathBuf::from("/dev/loop0"))
+        );
+        // The source name round-trips any path.
+        for path in [
+            &b"/i/plain"[..],
+            b"/i/a\\b",
+            b"/i/\xff\xfe",
+            b"/i/\\x41",
+            b"/i/\xc3\xa9",
+        ] {
+            let p = Path::new(std::ffi::OsStr::from_bytes(path));
+            let name = fsname_of(p);
+            assert_eq!(
+                from_fsname(name.strip_prefix("birchfs:").unwrap().as_bytes()),
+                path
+            );
+        }
+        assert_eq!(fsname_of(Path::new("/i/\u{e9}")), "birchfs:/i/\u{e9}");
     }
 
     /// The holder is the process with the exclusive flock on that very file: not a
