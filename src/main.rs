@@ -635,6 +635,21 @@ fn stats_table(json: &str) -> String {
 
 fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
+    let daemon = matches!(
+        cli.cmd,
+        Cmd::Mount {
+            foreground: true,
+            ..
+        }
+    );
+    if !daemon {
+        // `birchfs snapshot list | head`: a reader that goes away ends the command
+        // quietly, as it ends cat or ls (println! panicked on the broken pipe). The
+        // daemon keeps ignoring SIGPIPE: a write to a pipe closed under it (its
+        // stderr piped into a pager, say) must not take the mount down.
+        // SAFETY: signal with a valid signal number and disposition.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     match cli.cmd {
         Cmd::Mkfs {
             size,

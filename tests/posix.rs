@@ -3658,6 +3658,37 @@ fn a_block_device_in_use_by_the_system_is_refused() {
     );
 }
 
+/// A command whose reader goes away (`birchfs snapshot list IMG | head -0`) ends
+/// quietly, killed by SIGPIPE as cat or ls are; it panicked ("failed printing to
+/// stdout: Broken pipe") with a backtrace.
+#[test]
+fn a_reader_that_goes_away_ends_a_command_quietly() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::process::ExitStatusExt;
+    let mut m = Mount::new();
+    m.unmount();
+    for args in [&["snapshot", "list"][..], &["dump"][..]] {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe writes two fds into the array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both just made, owned here; the read end closes at once.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        drop(r);
+        let out = Command::new(BIN)
+            .args(args)
+            .arg(m.image())
+            .stdout(std::process::Stdio::from(w))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !err.contains("panicked") && out.status.signal() == Some(libc::SIGPIPE),
+            "{args:?} into a closed pipe:\n{}",
+            describe(&out)
+        );
+    }
+}
+
 /// An image and a mount point whose names are not UTF-8 (or hold a backslash) work
 /// with every command: the background mount passed its paths on as text (the mount
 /// point became U+FFFD and was not found), and `birchfs umount` could not read the
