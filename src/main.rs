@@ -849,18 +849,6 @@ fn run() -> Result<ExitCode> {
 fn main() -> ExitCode {
     match run() {
         Ok(c) => c,
-        // `birchfs dump | head`: the reader went away, which is not an error.
-        Err(e)
-            if e.chain().any(|c| {
-                c.downcast_ref::<std::io::Error>()
-                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-                    || c.downcast_ref::<birchfs::Error>().is_some_and(
-                        |b| matches!(b, birchfs::Error::Io(io) if io.kind() == std::io::ErrorKind::BrokenPipe),
-                    )
-            }) =>
-        {
-            ExitCode::SUCCESS
-        }
         Err(e) => {
             eprintln!("birchfs: {e:#}");
             ExitCode::from(1)
