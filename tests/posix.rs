@@ -3658,6 +3658,53 @@ fn a_block_device_in_use_by_the_system_is_refused() {
     );
 }
 
+/// An image inside its own mount point mounts (the daemon looked at the image's
+/// path once mounted, through the mount it did not serve yet, and hung), serves,
+/// and is whole after `umount`.
+#[test]
+fn an_image_inside_its_own_mount_point_mounts() {
+    let m = Mount::bare();
+    let dir = m.host_dir().join("d");
+    fs::create_dir(&dir).unwrap();
+    let img = dir.join("img");
+    let cli =
+        |args: &[&std::ffi::OsStr]| run(Command::new(BIN).args(args), Duration::from_secs(60));
+    let out = cli(&[
+        "mkfs".as_ref(),
+        "--size".as_ref(),
+        "64M".as_ref(),
+        img.as_os_str(),
+    ]);
+    assert!(out.status.success(), "mkfs:\n{}", describe(&out));
+    let out = cli(&["mount".as_ref(), img.as_os_str(), dir.as_os_str()]);
+    /// Unmounts if the test fails with it mounted.
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            if is_mounted_at(&self.0) {
+                let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+            }
+        }
+    }
+    let _c = Cleanup(dir.clone());
+    assert!(out.status.success(), "mount:\n{}", describe(&out));
+    fs::write(dir.join("f"), b"over the image").unwrap();
+    assert_eq!(fs::read(dir.join("f")).unwrap(), b"over the image");
+    let out = run(Command::new("umount").arg(&dir), Duration::from_secs(60));
+    assert!(out.status.success(), "umount:\n{}", describe(&out));
+    // `umount` returns before the daemon's last commit.
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    while !image_unlocked(&img) && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        image_unlocked(&img),
+        "the daemon did not let go of the image"
+    );
+    let out = cli(&["check".as_ref(), img.as_os_str()]);
+    assert!(out.status.success(), "check:\n{}", describe(&out));
+}
+
 /// A command whose reader goes away (`birchfs snapshot list IMG | head -0`) ends
 /// quietly, killed by SIGPIPE as cat or ls are; it panicked ("failed printing to
 /// stdout: Broken pipe") with a backtrace.

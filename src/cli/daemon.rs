@@ -156,6 +156,15 @@ fn mount_serve(
     if want_uring(mo.uring)? {
         ffs.offer_uring();
     }
+    // Before the mount: once mounted, a path of an image inside the mount point
+    // would be looked up through the mount, by this daemon, which serves nothing
+    // yet (the mount hung).
+    let warning = (!mo.fs.readonly)
+        .then(|| host_space_warning(image))
+        .flatten();
+    if let Some(w) = &warning {
+        tracing::warn!("{w}");
+    }
     let served = ffs.clone();
     let mut session = fuser::Session::new(ffs, mountpoint, &cfg).map_err(|e| {
         let why = match e.raw_os_error() {
@@ -274,12 +283,6 @@ fn mount_serve(
                 SECOND
             }
         })?;
-    }
-    let warning = (!mo.fs.readonly)
-        .then(|| host_space_warning(image))
-        .flatten();
-    if let Some(w) = &warning {
-        tracing::warn!("{w}");
     }
     if let Some(mut f) = ready.take() {
         let mut msg = String::from("ok\n");
