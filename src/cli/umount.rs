@@ -49,7 +49,7 @@ pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathB
 }
 
 /// The mount's source name for `image` ("birchfs:" and its path), which is text: a
-/// byte of the path that is not UTF-8 is written `\\xHH`, and a backslash `\\\\`.
+/// byte of the path that is not UTF-8 is written `\xHH`, and a backslash `\\`.
 pub(crate) fn fsname_of(image: &Path) -> String {
     use std::fmt::Write;
     use std::os::unix::ffi::OsStrExt;
