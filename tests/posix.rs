@@ -3580,6 +3580,39 @@ fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
     drop(ro);
 }
 
+/// Runs the birchfs CLI with `args` (at most a minute).
+fn cli(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    run(Command::new(BIN).args(args), Duration::from_secs(60))
+}
+
+/// A mount made by hand, unmounted (lazily) if a test fails with it still mounted.
+struct UnmountOnDrop(PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        if is_mounted_at(&self.0) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+}
+
+/// Makes a 64 MiB birchfs at `img` and mounts it at `mnt` with the CLI; unmounted
+/// when the guard drops, if still mounted.
+#[track_caller]
+fn mkfs_and_mount(img: &Path, mnt: &Path) -> UnmountOnDrop {
+    let out = cli(&[
+        "mkfs".as_ref(),
+        "--size".as_ref(),
+        "64M".as_ref(),
+        img.as_os_str(),
+    ]);
+    assert!(out.status.success(), "mkfs:\n{}", describe(&out));
+    let out = cli(&["mount".as_ref(), img.as_os_str(), mnt.as_os_str()]);
+    let guard = UnmountOnDrop(mnt.to_path_buf());
+    assert!(out.status.success(), "mount:\n{}", describe(&out));
+    guard
+}
+
 /// A block device that something else holds is not birchfs's to write: while birchfs
 /// is mounted on it, mkfs.ext4 will not touch it (birchfs claims it, O_EXCL); while
 /// the kernel has ext4 mounted on it, `birchfs mkfs --force` and `birchfs mount`
@@ -3667,27 +3700,7 @@ fn an_image_inside_its_own_mount_point_mounts() {
     let dir = m.host_dir().join("d");
     fs::create_dir(&dir).unwrap();
     let img = dir.join("img");
-    let cli =
-        |args: &[&std::ffi::OsStr]| run(Command::new(BIN).args(args), Duration::from_secs(60));
-    let out = cli(&[
-        "mkfs".as_ref(),
-        "--size".as_ref(),
-        "64M".as_ref(),
-        img.as_os_str(),
-    ]);
-    assert!(out.status.success(), "mkfs:\n{}", describe(&out));
-    let out = cli(&["mount".as_ref(), img.as_os_str(), dir.as_os_str()]);
-    /// Unmounts if the test fails with it mounted.
-    struct Cleanup(PathBuf);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            if is_mounted_at(&self.0) {
-                let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-            }
-        }
-    }
-    let _c = Cleanup(dir.clone());
-    assert!(out.status.success(), "mount:\n{}", describe(&out));
+    let _c = mkfs_and_mount(&img, &dir);
     fs::write(dir.join("f"), b"over the image").unwrap();
     assert_eq!(fs::read(dir.join("f")).unwrap(), b"over the image");
     let out = run(Command::new("umount").arg(&dir), Duration::from_secs(60));
@@ -3747,26 +3760,7 @@ fn names_that_are_not_utf8_mount_sync_and_unmount() {
     let img = m.host_dir().join(OsStr::from_bytes(b"im\\g\xff.img"));
     let mnt = m.host_dir().join(OsStr::from_bytes(b"mn\xfet"));
     fs::create_dir(&mnt).unwrap();
-    let cli = |args: &[&OsStr]| run(Command::new(BIN).args(args), Duration::from_secs(60));
-    let out = cli(&[
-        "mkfs".as_ref(),
-        "--size".as_ref(),
-        "64M".as_ref(),
-        img.as_os_str(),
-    ]);
-    assert!(out.status.success(), "mkfs:\n{}", describe(&out));
-    let out = cli(&["mount".as_ref(), img.as_os_str(), mnt.as_os_str()]);
-    assert!(out.status.success(), "mount:\n{}", describe(&out));
-    /// Unmounts if the test fails with it mounted.
-    struct Cleanup(PathBuf);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            if is_mounted_at(&self.0) {
-                let _ = Command::new("umount").arg(&self.0).status();
-            }
-        }
-    }
-    let _c = Cleanup(mnt.clone());
+    let _c = mkfs_and_mount(&img, &mnt);
     fs::write(mnt.join("f"), b"bytes").unwrap();
     for cmd in ["sync", "stats"] {
         let out = cli(&[cmd.as_ref(), mnt.as_os_str()]);
@@ -3789,18 +3783,7 @@ fn an_image_and_a_loop_device_over_it_are_not_mounted_twice() {
     let backing = m.host_dir().join("backing");
     let dir = m.host_dir().join("file-mnt");
     fs::create_dir(&dir).unwrap();
-    let cli =
-        |args: &[&std::ffi::OsStr]| run(Command::new(BIN).args(args), Duration::from_secs(60));
-    /// Unmounts the file's mount if the test fails with it mounted.
-    struct Cleanup(PathBuf);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            if is_mounted_at(&self.0) {
-                let _ = Command::new(BIN).arg("umount").arg(&self.0).status();
-            }
-        }
-    }
-    let _c = Cleanup(dir.clone());
+    let _c = UnmountOnDrop(dir.clone());
     let out = cli(&["mount".as_ref(), backing.as_os_str(), dir.as_os_str()]);
     assert!(
         !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("in use"),

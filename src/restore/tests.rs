@@ -87,6 +87,17 @@ fn run(dev: &MemDev, opts: &RestoreOptions) -> (tempfile::TempDir, PathBuf, Rest
     (tmp, dest, rep)
 }
 
+/// What a restore made: (directories, files, symlinks, special files, hard links).
+fn made(rep: &Restored) -> (u64, u64, u64, u64, u64) {
+    (
+        rep.dirs,
+        rep.files,
+        rep.symlinks,
+        rep.specials,
+        rep.hard_links,
+    )
+}
+
 /// The address of the fs tree's root node.
 fn fs_root(dev: &MemDev) -> (u64, u8) {
     tree_root(dev, tree::FS)
@@ -139,16 +150,7 @@ fn a_clean_image_comes_back_whole() {
     let dev = populated();
     let (_t, out, rep) = run(&dev, &RestoreOptions::default());
     assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
-    assert_eq!(
-        (
-            rep.dirs,
-            rep.files,
-            rep.symlinks,
-            rep.specials,
-            rep.hard_links
-        ),
-        (2, 302, 1, 1, 1)
-    );
+    assert_eq!(made(&rep), (2, 302, 1, 1, 1));
     assert_eq!(
         (rep.damaged_nodes, rep.bad_blocks, rep.unverified_blocks),
         (0, 0, 0)
@@ -809,16 +811,7 @@ fn a_tree_deeper_than_path_max_comes_back_whole() {
 
     let (_t, out, rep) = run(&dev, &RestoreOptions::default());
     assert!(rep.problems.is_empty(), "{:#?}", rep.problems);
-    assert_eq!(
-        (
-            rep.dirs,
-            rep.files,
-            rep.symlinks,
-            rep.specials,
-            rep.hard_links
-        ),
-        (60, 1, 1, 1, 2)
-    );
+    assert_eq!(made(&rep), (60, 1, 1, 1, 2));
     assert_eq!((rep.lost_found, rep.attrs_refused), (0, 0));
     let mut d = open_in(
         &std::fs::File::open(&out).unwrap().into(),
