@@ -279,10 +279,14 @@ fn trim_cmd(target: &Path) -> Result<u64> {
         };
         if rc != 0 {
             let e = std::io::Error::last_os_error();
-            bail!(
-                "cannot trim {} (is it a birchfs mountpoint?): {e}",
-                target.display()
-            );
+            if e.raw_os_error() == Some(libc::EROFS) {
+                bail!(
+                    "cannot trim {}: it is mounted read-only (-o ro), and trimming \
+                     changes the image",
+                    target.display()
+                );
+            }
+            bail!("cannot trim {}: {e}", target.display());
         }
         return Ok(range[1]);
     }

@@ -3576,6 +3576,13 @@ fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
     );
     m.mount_with(&["ro"]);
     assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
+    // A read-only mount is one: trim says why it does nothing there.
+    let out = birchfs(["trim".as_ref(), m.root().as_os_str()]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("read-only"),
+        "trim of a read-only mount:\n{}",
+        describe(&out)
+    );
     m.unmount();
     drop(ro);
 }
