@@ -312,6 +312,7 @@ fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
     let as_json = matches!(action, SnapshotCmd::List { json: true, .. });
     let json = if target.is_dir() {
         // A mount: the same as mkdir/rmdir in .snapshots.
+        cli::umount::image_mounted_at(&target)?;
         let dir = target.join(".snapshots");
         match action {
             SnapshotCmd::Create { name, .. } => {
@@ -819,6 +820,7 @@ fn run() -> Result<ExitCode> {
                 birchfs::fuse::STATS_XATTR
             };
             cli::umount::refuse_dead_mount(&mountpoint)?;
+            cli::umount::image_mounted_at(&mountpoint)?;
             let raw = read_stats(&mountpoint, xattr)?;
             if json {
                 println!("{raw}");

@@ -4584,6 +4584,30 @@ fn birchfs_sync_makes_what_a_mount_holds_durable() {
         "a file never synced survived the kill: this test cannot tell a sync from none"
     );
     refused_as_not_a_mount("sync", m.host_dir());
+    // A directory inside the mount is named as such, with the mount point to give
+    // (stats said "not on a birchfs mount?", snapshot "No such file or directory").
+    fs::create_dir(m.path("sub")).unwrap();
+    let root = m.root().to_string_lossy().into_owned();
+    for args in [
+        &["sync"][..],
+        &["stats"],
+        &["trim"],
+        &["umount"],
+        &["snapshot", "list"],
+    ] {
+        let out = run(
+            Command::new(BIN).args(args).arg(m.path("sub")),
+            Duration::from_secs(30),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && err.contains("is inside the birchfs mounted at")
+                && err.contains(&root),
+            "birchfs {args:?} on a directory inside the mount:\n{}",
+            describe(&out)
+        );
+    }
     m.unmount();
 }
 

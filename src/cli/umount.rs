@@ -6,32 +6,61 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
+/// A path field of mountinfo, which writes space, tab, newline and backslash as
+/// \\ooo (octal).
+fn unescape(b: &[u8]) -> std::ffi::OsString {
+    use std::os::unix::ffi::OsStringExt;
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let code = b
+            .get(i + 1..i + 4)
+            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .map(|d| d.iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0')));
+        match code {
+            Some(c) if c <= 0xff => {
+                out.push(c as u8);
+                i += 4;
+            }
+            _ => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    std::ffi::OsString::from_vec(out)
+}
+
+/// The mount point of the birchfs that `path` lies inside, below its root: the
+/// deepest mount that holds `path` is a birchfs and is not `path` itself.
+pub(crate) fn birchfs_mount_holding(mountinfo: &[u8], path: &Path) -> Option<PathBuf> {
+    let mut best: Option<(PathBuf, bool)> = None;
+    for line in mountinfo.split(|&c| c == b'\n') {
+        let f: Vec<&[u8]> = line.split(|&c| c == b' ').collect();
+        let (Some(mp), Some(sep)) = (f.get(4), f.iter().position(|x| *x == b"-")) else {
+            continue;
+        };
+        let mp = PathBuf::from(unescape(mp));
+        if !path.starts_with(&mp)
+            || best
+                .as_ref()
+                .is_some_and(|(b, _)| b.as_os_str().len() > mp.as_os_str().len())
+        {
+            continue;
+        }
+        let birchfs = f
+            .get(sep + 2)
+            .is_some_and(|src| src.starts_with(b"birchfs:"));
+        best = Some((mp, birchfs));
+    }
+    best.filter(|(mp, birchfs)| *birchfs && mp != path)
+        .map(|(mp, _)| mp)
+}
+
 /// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked),
 /// from the bytes of /proc/self/mountinfo (paths there need not be UTF-8, anyone's).
 pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
     use std::os::unix::ffi::OsStringExt;
-    // Mountinfo writes space, tab, newline and backslash in paths as \ooo (octal).
-    let unescape = |b: &[u8]| -> std::ffi::OsString {
-        let mut out = Vec::with_capacity(b.len());
-        let mut i = 0;
-        while i < b.len() {
-            let code = b
-                .get(i + 1..i + 4)
-                .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)))
-                .map(|d| d.iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0')));
-            match code {
-                Some(c) if c <= 0xff => {
-                    out.push(c as u8);
-                    i += 4;
-                }
-                _ => {
-                    out.push(b[i]);
-                    i += 1;
-                }
-            }
-        }
-        std::ffi::OsString::from_vec(out)
-    };
     // The last mount on the path is the one on top, which an unmount would remove.
     let top: Vec<&[u8]> = mountinfo
         .split(|&c| c == b'\n')
@@ -112,9 +141,19 @@ pub(crate) fn refuse_dead_mount(path: &Path) -> Result<()> {
 pub(crate) fn image_mounted_at(mountpoint: &Path) -> Result<PathBuf> {
     let info = std::fs::read("/proc/self/mountinfo").context("cannot read /proc/self/mountinfo")?;
     let abs = std::path::absolute(mountpoint)?;
+    let real = std::fs::canonicalize(&abs).ok();
     mounted_image(&info, &abs)
-        .or_else(|| mounted_image(&info, &std::fs::canonicalize(&abs).ok()?))
-        .ok_or_else(|| anyhow!("{} is not a birchfs mountpoint", mountpoint.display()))
+        .or_else(|| mounted_image(&info, real.as_deref()?))
+        .ok_or_else(
+            || match real.and_then(|r| birchfs_mount_holding(&info, &r)) {
+                Some(mp) => anyhow!(
+                    "{} is inside the birchfs mounted at {}: give that mount point",
+                    mountpoint.display(),
+                    mp.display()
+                ),
+                None => anyhow!("{} is not a birchfs mountpoint", mountpoint.display()),
+            },
+        )
 }
 
 /// The pid holding an exclusive flock on the file with device `major:minor` and inode
@@ -404,6 +443,25 @@ mod tests {
             );
         }
         assert_eq!(fsname_of(Path::new("/i/\u{e9}")), "birchfs:/i/\u{e9}");
+    }
+
+    /// The birchfs a path lies inside is the deepest mount holding it, when that is a
+    /// birchfs and not the path itself.
+    #[test]
+    fn the_birchfs_holding_a_path_is_the_deepest_mount() {
+        let info = b"\
+22 1 8:1 / / rw - ext4 /dev/sda1 rw
+44 22 0:39 / /mnt/b rw - fuse birchfs:/img rw
+45 44 0:40 / /mnt/b/inner rw - tmpfs none rw
+46 22 0:41 / /mnt/b2 rw - fuse birchfs:/img2 rw
+";
+        let held = |p: &str| birchfs_mount_holding(info, Path::new(p));
+        assert_eq!(held("/mnt/b/sub/x"), Some(PathBuf::from("/mnt/b")));
+        assert_eq!(held("/mnt/b2/y"), Some(PathBuf::from("/mnt/b2")));
+        assert_eq!(held("/mnt/b"), None, "the mount point itself");
+        assert_eq!(held("/mnt/b/inner/z"), None, "a tmpfs mounted inside");
+        assert_eq!(held("/mnt/bx"), None, "not a path below /mnt/b");
+        assert_eq!(held("/etc"), None);
     }
 
     /// The holder is the process with the exclusive flock on that very file: not a
