@@ -3536,11 +3536,7 @@ fn a_device_that_turns_read_only_under_a_mount_fails_fsync_with_erofs() {
     );
     drop(f);
     let out = birchfs(["umount".as_ref(), m.root().as_os_str()]);
-    assert!(
-        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("commit"),
-        "umount with a read-only device:\n{}",
-        describe(&out)
-    );
+    fails_saying(&out, "commit", "umount with a read-only device");
     m.mark_unmounted();
     drop(ro);
     m.mount_with(&[]);
@@ -3578,13 +3574,19 @@ fn a_read_only_block_device_is_refused_rw_with_a_hint_and_mounts_ro() {
     assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
     // A read-only mount is one: trim says why it does nothing there.
     let out = birchfs(["trim".as_ref(), m.root().as_os_str()]);
-    assert!(
-        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("read-only"),
-        "trim of a read-only mount:\n{}",
-        describe(&out)
-    );
+    fails_saying(&out, "read-only", "trim of a read-only mount");
     m.unmount();
     drop(ro);
+}
+
+/// Asserts that a command failed and said `needle` on stderr.
+#[track_caller]
+fn fails_saying(out: &std::process::Output, needle: &str, what: &str) {
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(needle),
+        "{what}:\n{}",
+        describe(out)
+    );
 }
 
 /// Runs the birchfs CLI with `args` (at most a minute).
