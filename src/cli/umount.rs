@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 
 /// A path field of mountinfo, which writes space, tab, newline and backslash as
-/// \\ooo (octal).
+/// `\ooo` (octal).
 fn unescape(b: &[u8]) -> std::ffi::OsString {
     use std::os::unix::ffi::OsStringExt;
     let mut out = Vec::with_capacity(b.len());
@@ -31,50 +31,54 @@ fn unescape(b: &[u8]) -> std::ffi::OsString {
     std::ffi::OsString::from_vec(out)
 }
 
+/// One mount of /proc/self/mountinfo.
+struct Mounted {
+    /// Where it is mounted.
+    point: PathBuf,
+    /// The image, when it is a birchfs (a FUSE mount whose source is "birchfs:...").
+    image: Option<PathBuf>,
+}
+
+/// The mounts in mountinfo's bytes (paths there need not be UTF-8, anyone's), in its
+/// order: of two on one point, the later is on top.
+fn mounts(mountinfo: &[u8]) -> impl DoubleEndedIterator<Item = Mounted> + '_ {
+    use std::os::unix::ffi::OsStringExt;
+    mountinfo.split(|&c| c == b'\n').filter_map(|line| {
+        let f: Vec<&[u8]> = line.split(|&c| c == b' ').collect();
+        let point = PathBuf::from(unescape(f.get(4)?));
+        let sep = f.iter().position(|x| *x == b"-")?;
+        let (fstype, source) = (*f.get(sep + 1)?, *f.get(sep + 2)?);
+        let fuse = fstype == b"fuse" || fstype == b"fuseblk" || fstype.starts_with(b"fuse.");
+        let image = source
+            .strip_prefix(b"birchfs:")
+            .filter(|_| fuse)
+            .map(|s| std::ffi::OsString::from_vec(from_fsname(&unescape(s).into_vec())).into());
+        Some(Mounted { point, image })
+    })
+}
+
 /// The mount point of the birchfs that `path` lies inside, below its root: the
 /// deepest mount that holds `path` is a birchfs and is not `path` itself.
 pub(crate) fn birchfs_mount_holding(mountinfo: &[u8], path: &Path) -> Option<PathBuf> {
-    let mut best: Option<(PathBuf, bool)> = None;
-    for line in mountinfo.split(|&c| c == b'\n') {
-        let f: Vec<&[u8]> = line.split(|&c| c == b' ').collect();
-        let (Some(mp), Some(sep)) = (f.get(4), f.iter().position(|x| *x == b"-")) else {
-            continue;
-        };
-        let mp = PathBuf::from(unescape(mp));
-        if !path.starts_with(&mp)
-            || best
-                .as_ref()
-                .is_some_and(|(b, _)| b.as_os_str().len() > mp.as_os_str().len())
-        {
-            continue;
-        }
-        let birchfs = f
-            .get(sep + 2)
-            .is_some_and(|src| src.starts_with(b"birchfs:"));
-        best = Some((mp, birchfs));
-    }
-    best.filter(|(mp, birchfs)| *birchfs && mp != path)
-        .map(|(mp, _)| mp)
+    let deepest = mounts(mountinfo)
+        .filter(|m| path.starts_with(&m.point))
+        .reduce(|a, b| {
+            if b.point.as_os_str().len() >= a.point.as_os_str().len() {
+                b
+            } else {
+                a
+            }
+        })?;
+    (deepest.image.is_some() && deepest.point != path).then_some(deepest.point)
 }
 
-/// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked),
-/// from the bytes of /proc/self/mountinfo (paths there need not be UTF-8, anyone's).
+/// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked).
 pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
-    use std::os::unix::ffi::OsStringExt;
     // The last mount on the path is the one on top, which an unmount would remove.
-    let top: Vec<&[u8]> = mountinfo
-        .split(|&c| c == b'\n')
+    mounts(mountinfo)
         .rev()
-        .map(|line| line.split(|&c| c == b' ').collect::<Vec<&[u8]>>())
-        .find(|f| {
-            f.get(4)
-                .is_some_and(|m| Path::new(&unescape(m)) == mountpoint)
-        })?;
-    let sep = top.iter().position(|f| *f == b"-")?;
-    let (fstype, source) = (*top.get(sep + 1)?, *top.get(sep + 2)?);
-    let is_fuse = fstype == b"fuse" || fstype == b"fuseblk" || fstype.starts_with(b"fuse.");
-    let image = unescape(source.strip_prefix(b"birchfs:")?).into_vec();
-    is_fuse.then(|| PathBuf::from(std::ffi::OsString::from_vec(from_fsname(&image))))
+        .find(|m| m.point == mountpoint)?
+        .image
 }
 
 /// The mount's source name for `image` ("birchfs:" and its path), which is text: a
