@@ -669,9 +669,8 @@ impl FuseFs {
     pub(crate) fn lookup(&self, parent: u64, name: &[u8], reply: impl AnswerEntry) {
         match self.fs.lookup(to_ino(parent), name) {
             Err(Error::NotFound) if !self.ttl.negative.is_zero() => {
-                let mut none = fattr(&deleted_attr(0));
-                none.ino = INodeNo(0);
-                reply.entry(&self.ttl.negative, &none, Generation(0))
+                // Inode 0 (`to_fuse` maps only the root) is the kernel's "no such name".
+                reply.entry(&self.ttl.negative, &fattr(&deleted_attr(0)), Generation(0))
             }
             r => self.entry(r, reply),
         }
