@@ -3674,18 +3674,14 @@ fn a_block_device_in_use_by_the_system_is_refused() {
     assert!(out.status.success(), "mount -t ext4:\n{}", describe(&out));
     let k = KernelMount(kdir.path().to_path_buf());
     fs::write(kdir.path().join("keep"), b"ext4's").unwrap();
-    let busy = |out: &std::process::Output| {
-        !out.status.success()
-            && String::from_utf8_lossy(&out.stderr).contains("in use by the system")
-    };
     let out = m.mkfs(&["--force"]);
-    assert!(
-        busy(&out),
-        "mkfs --force of a mounted ext4:\n{}",
-        describe(&out)
+    fails_saying(
+        &out,
+        "in use by the system",
+        "mkfs --force of a mounted ext4",
     );
     let out = m.try_mount(&[]);
-    assert!(busy(&out), "mount of a mounted ext4:\n{}", describe(&out));
+    fails_saying(&out, "in use by the system", "mount of a mounted ext4");
     assert!(!m.is_mounted());
     assert_eq!(fs::read(kdir.path().join("keep")).unwrap(), b"ext4's");
     drop(k);
@@ -3794,10 +3790,10 @@ fn an_image_and_a_loop_device_over_it_are_not_mounted_twice() {
     fs::create_dir(&dir).unwrap();
     let _c = UnmountOnDrop(dir.clone());
     let out = cli(&["mount".as_ref(), backing.as_os_str(), dir.as_os_str()]);
-    assert!(
-        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("in use"),
-        "mount of the file under a mounted loop device:\n{}",
-        describe(&out)
+    fails_saying(
+        &out,
+        "in use",
+        "mount of the file under a mounted loop device",
     );
     assert!(!is_mounted_at(&dir));
     m.unmount();
@@ -3809,11 +3805,10 @@ fn an_image_and_a_loop_device_over_it_are_not_mounted_twice() {
     );
     assert_eq!(fs::read(dir.join("f")).unwrap(), b"kept");
     let out = m.try_mount(&[]);
-    assert!(
-        !out.status.success()
-            && String::from_utf8_lossy(&out.stderr).contains("is a loop device over"),
-        "mount of the loop device over a mounted file:\n{}",
-        describe(&out)
+    fails_saying(
+        &out,
+        "is a loop device over",
+        "mount of the loop device over a mounted file",
     );
     let out = cli(&["umount".as_ref(), dir.as_os_str()]);
     assert!(out.status.success(), "umount:\n{}", describe(&out));
@@ -4149,12 +4144,8 @@ fn a_user_makes_mounts_uses_and_unmounts_their_own_filesystem() {
     if mode & 0o006 != 0o006 {
         // Closed to users, as here: the mount says so (it said "Permission denied").
         let out = as_nobody(r#""$1" mkfs --size 64M "$2" && mkdir "$3" && "$1" mount "$2" "$3""#);
-        assert!(
-            !out.status.success()
-                && String::from_utf8_lossy(&out.stderr).contains("may not open /dev/fuse"),
-            "mount as uid 65534 with /dev/fuse mode {mode:o}:\n{}",
-            describe(&out)
-        );
+        let what = format!("mount as uid 65534 with /dev/fuse mode {mode:o}");
+        fails_saying(&out, "may not open /dev/fuse", &what);
         assert!(!is_mounted_at(&mnt));
         fs::remove_file(&img).unwrap();
         fs::remove_dir(&mnt).unwrap();
