@@ -135,7 +135,9 @@ fn mount_serve(
     cfg.mount_options = vec![
         // Absolute, so that `birchfs umount` finds the image from anywhere.
         fuser::MountOption::FSName(super::umount::fsname_of(&std::path::absolute(image)?)),
-        fuser::MountOption::Subtype("birchfs".into()),
+        // The type shows as fuse.birchfs (`findmnt -t fuse.birchfs`, `umount -t`). As a
+        // kernel option: fuser hands its Subtype only to fusermount, not to mount(2).
+        fuser::MountOption::CUSTOM("subtype=birchfs".into()),
         fuser::MountOption::DefaultPermissions,
     ];
     if mo.fs.readonly {
