@@ -5,7 +5,7 @@ IMAGE ?= birchfs.img
 MNT ?= mnt
 SIZE ?= 4G
 
-.PHONY: all build deps mount test test-long lint fmt clean fuzz fuzz-quick
+.PHONY: all build deps install mount test test-long lint fmt clean fuzz fuzz-quick
 
 all: build
 
@@ -15,6 +15,12 @@ build:
 # Installs what is missing on a Debian/Ubuntu machine (fuse3 for fusermount3).
 deps:
 	@command -v fusermount3 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq fuse3; }
+
+# Installs the binary where mount(8)'s helper mount.fuse3 finds it, so that
+# `mount -t fuse.birchfs IMAGE DIR` and /etc/fstab lines work.
+PREFIX ?= /usr/local
+install: build
+	install -D -m 755 $(BIN) $(DESTDIR)$(PREFIX)/bin/birchfs
 
 # Builds, creates ./birchfs.img if absent, and mounts it on ./mnt until Ctrl-C.
 mount: deps build

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use birchfs::dev::FileDev;
 use birchfs::{Fs, MkfsOptions, Options, SnapshotInfo};
@@ -14,6 +14,7 @@ use birchfs::{Fs, MkfsOptions, Options, SnapshotInfo};
 mod cli {
     //! The subcommands that take more than a screen.
     pub(crate) mod daemon;
+    pub(crate) mod helper;
     pub(crate) mod options;
     pub(crate) mod umount;
 }
@@ -22,7 +23,9 @@ mod cli {
 #[command(
     name = "birchfs",
     version,
-    about = "A copy-on-write, checksummed filesystem in user space"
+    about = "A copy-on-write, checksummed filesystem in user space",
+    after_help = "As a mount helper (what `mount -t fuse.birchfs` and /etc/fstab call): \
+                  birchfs IMAGE MOUNTPOINT [-o OPTIONS], the same as birchfs mount"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -639,7 +642,14 @@ fn stats_table(json: &str) -> String {
 }
 
 fn run() -> Result<ExitCode> {
-    let cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let command = Cli::command();
+    let mut subcommands: Vec<&str> = command.get_subcommands().map(|c| c.get_name()).collect();
+    subcommands.push("help");
+    let cli = match cli::helper::rewrite(args.clone(), &subcommands)? {
+        Some(mount) => Cli::parse_from(mount),
+        None => Cli::parse_from(args),
+    };
     let daemon = matches!(
         cli.cmd,
         Cmd::Mount {

@@ -2913,6 +2913,84 @@ fn generic_mount_flags_are_applied_and_unsupported_ones_refused() {
     m.unmount();
 }
 
+/// The filesystem type and the options of the mount at `dir`, from the mount table.
+fn mount_type_and_options(dir: &Path) -> (String, String) {
+    let table = fs::read_to_string("/proc/self/mounts").unwrap();
+    let line = table
+        .lines()
+        .rev()
+        .find(|l| l.split(' ').nth(1) == dir.to_str())
+        .unwrap_or_else(|| panic!("{} is not mounted:\n{table}", dir.display()));
+    let f: Vec<&str> = line.split(' ').collect();
+    (f[2].to_owned(), f[3].to_owned())
+}
+
+/// `mount -t fuse…` and /etc/fstab lines mount birchfs: mount(8) runs fuse3's
+/// mount.fuse3, which calls `birchfs IMAGE MOUNTPOINT -o OPTIONS` (clap refused that
+/// as an unknown subcommand). The mount's type is fuse.birchfs, the options reach the
+/// daemon, and the fstab-only ones (nofail, x-systemd.*) are left to mount(8).
+#[test]
+fn mount_8_and_fstab_lines_mount_birchfs() {
+    let mut m = Mount::unmounted("256M");
+    // `TYPE#SOURCE` names the program by its path, where `-t fuse.birchfs` would look
+    // for `birchfs` on the PATH that mount.fuse3 runs with.
+    let source = format!("{BIN}#{}", m.image().display());
+    let out = run(
+        Command::new("mount")
+            .args(["-t", "fuse", "-o", "noatime,cache_size=64M"])
+            .arg(&source)
+            .arg(m.root()),
+        Duration::from_secs(60),
+    );
+    assert!(out.status.success(), "mount -t fuse:\n{}", describe(&out));
+    m.mark_mounted();
+    let (fstype, opts) = mount_type_and_options(m.root());
+    assert_eq!(fstype, "fuse.birchfs");
+    assert!(opts.split(',').any(|o| o == "noatime"), "{opts}");
+    assert_eq!(daemon_stats(&m)["cache"]["limit"].as_u64(), Some(64 << 20));
+    fs::write(m.path("f"), b"through mount(8)").unwrap();
+    m.unmount();
+
+    let fstab = m.image().with_file_name("fstab");
+    fs::write(
+        &fstab,
+        format!(
+            "# made by the test\n{source} {} fuse ro,nofail,x-systemd.automount,_netdev 0 0\n",
+            m.root().display()
+        ),
+    )
+    .unwrap();
+    let out = run(
+        Command::new("mount").arg("-T").arg(&fstab).arg(m.root()),
+        Duration::from_secs(60),
+    );
+    assert!(
+        out.status.success(),
+        "mount from fstab:\n{}",
+        describe(&out)
+    );
+    m.mark_mounted();
+    assert_eq!(mount_type_and_options(m.root()).0, "fuse.birchfs");
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"through mount(8)");
+    let e = fs::write(m.path("g"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "fstab's ro");
+    m.unmount();
+
+    // The helper call itself, with what mount.fuse3 adds (dev,suid) and a bad option.
+    let out = cli(&[
+        m.image().as_os_str(),
+        m.root().as_os_str(),
+        "-o".as_ref(),
+        "rw,dev,suid,bogus".as_ref(),
+    ]);
+    fails_saying(
+        &out,
+        "unknown mount option 'bogus'",
+        "a bad option via the helper call",
+    );
+    assert!(!is_mounted_at(m.root()));
+}
+
 /// An open directory removed by rmdir or replaced by a rename keeps answering
 /// fstat (with no links) until it is closed, as on a kernel filesystem, and is freed
 /// then.

@@ -664,6 +664,13 @@ impl Mount {
         );
     }
 
+    /// Records that the mount is there (the test mounted it another way).
+    #[track_caller]
+    pub fn mark_mounted(&mut self) {
+        assert!(is_mounted_at(&self.mnt), "not mounted");
+        self.mounted = true;
+    }
+
     /// Records that the mount is gone (the test unmounted it another way).
     #[track_caller]
     pub fn mark_unmounted(&mut self) {
