@@ -650,29 +650,44 @@ impl Fs {
         }
         self.writeback(ino, u64::MAX)?;
         let size = a.size;
-        let mut written: Vec<(u64, u64)> = self
-            .with(|i| i.extents_in(ino, offset, size))?
-            .into_iter()
-            .filter(|(_, fe)| fe.kind != crate::format::FILE_EXTENT_PREALLOC)
-            .map(|(off, fe)| (off, off.saturating_add(fe.num_bytes.get())))
-            .collect();
-        written.sort_unstable();
-        if data {
-            return written
-                .iter()
-                .find(|&&(_, end)| end > offset)
-                .map(|&(start, _)| start.max(offset))
-                .filter(|&p| p < size)
-                .ok_or(Error::PastEnd);
-        }
+        // The extents are read a window at a time, from 1 MiB doubling, so that an
+        // answer costs a search and the extents up to it, not every extent to the end
+        // of the file: `cp` of a file of n extents seeks 2n times (150,000 extents
+        // took 6 minutes when each seek listed all of them).
         let mut pos = offset;
-        for (start, end) in written {
-            if start > pos {
-                break;
+        let mut window: u64 = 1 << 20;
+        while pos < size {
+            let end = pos.saturating_add(window).min(size);
+            let mut written: Vec<(u64, u64)> = self
+                .with(|i| i.extents_in(ino, pos, end))?
+                .into_iter()
+                .filter(|(_, fe)| fe.kind != crate::format::FILE_EXTENT_PREALLOC)
+                .map(|(off, fe)| (off, off.saturating_add(fe.num_bytes.get())))
+                .collect();
+            written.sort_unstable();
+            for (start, stop) in written {
+                if data && stop > pos {
+                    return Ok(start.max(pos));
+                }
+                if !data {
+                    if start > pos {
+                        return Ok(pos.min(size));
+                    }
+                    pos = pos.max(stop);
+                }
+            }
+            if !data && pos < end {
+                // Nothing written in [pos, end): a hole.
+                return Ok(pos);
             }
             pos = pos.max(end);
+            window = window.saturating_mul(2);
         }
-        Ok(pos.min(size))
+        if data {
+            Err(Error::PastEnd)
+        } else {
+            Ok(size)
+        }
     }
 
     /// Bytes of `ino`'s data dirty in the cache, waiting for writeback.

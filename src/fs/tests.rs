@@ -1342,6 +1342,66 @@ fn a_snapshot_keeps_its_large_xattr_values() {
     assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
 }
 
+/// SEEK_DATA and SEEK_HOLE across many extents, runs that cross the windows the
+/// search reads (1 MiB doubling) and data far past the offset asked about: every answer
+/// is the one the written ranges give.
+#[test]
+fn seek_data_and_hole_agree_with_the_written_ranges_far_and_near() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let g = 1u64 << 30;
+    let mut runs: Vec<(u64, u64)> = vec![
+        (0, BS),
+        (MB - 2 * BS, 3 * MB + BS), // across the first windows' ends
+        (5 * MB, 5 * MB + BS),
+        (g + 7 * BS, g + 9 * BS), // far past the rest
+    ];
+    // Many small extents, every other block.
+    for i in 0..300 {
+        let at = 8 * MB + i * 2 * BS;
+        runs.push((at, at + BS));
+    }
+    for (i, &(a, b)) in runs.iter().enumerate() {
+        fs.write(f, a, &pattern((b - a) as usize, i as u8)).unwrap();
+    }
+    fs.commit().unwrap();
+    let size = 2 * g;
+    fs.setattr(
+        f,
+        &SetAttr {
+            size: Some(size),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    runs.sort_unstable();
+    let is_data = |p: u64| runs.iter().any(|&(a, b)| a <= p && p < b);
+    let model_data = |p: u64| runs.iter().map(|&(a, _)| a.max(p)).find(|&q| is_data(q));
+    let model_hole = |p: u64| {
+        let mut q = p;
+        while is_data(q) {
+            q = runs.iter().find(|&&(a, b)| a <= q && q < b).unwrap().1;
+        }
+        q.min(size)
+    };
+    let mut probes: Vec<u64> = vec![0, 1, BS, MB - 1, MB, 2 * MB + 5, 4 * MB, g, g + 8 * BS];
+    probes.extend(
+        runs.iter()
+            .flat_map(|&(a, b)| [a.saturating_sub(1), a, b - 1, b]),
+    );
+    probes.push(size - 1);
+    for p in probes {
+        let got = fs.seek_data_hole(f, p, true).ok();
+        assert_eq!(got, model_data(p), "SEEK_DATA from {p:#x}");
+        assert_eq!(
+            fs.seek_data_hole(f, p, false).unwrap(),
+            model_hole(p),
+            "SEEK_HOLE from {p:#x}"
+        );
+    }
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+}
+
 /// SEEK_DATA and SEEK_HOLE: written extents are data, also those still dirty in the
 /// cache (written back first); gaps, preallocated ranges and the end are holes;
 /// ENXIO at or past the end, or when no data follows.
