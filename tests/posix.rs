@@ -5139,8 +5139,9 @@ fn seek(f: &File, off: u64, whence: i32) -> Result<u64, i32> {
 }
 
 /// SEEK_DATA and SEEK_HOLE find a sparse file's data and holes, so `cp` keeps it
-/// sparse; while a handle is open for writing (its data may sit in the kernel's
-/// cache, unseen by birchfs), no data is ever reported as a hole.
+/// sparse; while a handle is open for writing, the data it left in the kernel's cache
+/// (written, or through a shared mapping) is found too, and the mount goes on
+/// answering for every file (it used to decline, and the kernel then said all data).
 #[test]
 fn seek_data_and_hole_through_the_mount() {
     const MB: u64 = 1 << 20;
@@ -5175,20 +5176,50 @@ fn seek_data_and_hole_through_the_mount() {
         "the copy is not sparse: {} blocks",
         fs::metadata(&copy).unwrap().blocks()
     );
-    // A writer's data, cached by the kernel, at 4 MiB.
-    let w = OpenOptions::new().write(true).open(&p).unwrap();
+    // A writer's data, cached by the kernel, at 4 MiB, and through a shared mapping
+    // at 4.5 MiB: birchfs has the kernel write them back first, and answers exactly.
+    let w = OpenOptions::new().read(true).write(true).open(&p).unwrap();
     w.write_all_at(&[9; 4096], 4 * MB).unwrap();
-    let d = seek(&f, 3 * MB + 8192, data).expect("data after 3 MiB");
-    assert!(d <= 4 * MB, "the writer's data at 4 MiB skipped: {d}");
-    let h = seek(&f, 4 * MB, hole).unwrap();
-    assert!(
-        h >= 4 * MB + 4096,
-        "a hole reported in the writer's data: {h}"
+    assert_eq!(
+        seek(&f, 3 * MB + 8192, data),
+        Ok(4 * MB),
+        "the writer's data"
     );
+    assert_eq!(seek(&f, 4 * MB, hole), Ok(4 * MB + 4096));
+    let len = MB as usize;
+    // SAFETY: a fresh shared mapping of 1 MiB of the file from 4 MiB, within its size;
+    // unmapped below before `w` is dropped.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            w.as_raw_fd(),
+            (4 * MB) as libc::off_t,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED);
+    // SAFETY: within the mapping.
+    unsafe { std::ptr::write_bytes((map as *mut u8).add(len / 2), 10, 4096) };
+    assert_eq!(
+        seek(&f, 4 * MB + 4096, data),
+        Ok(4 * MB + MB / 2),
+        "data written through the mapping"
+    );
+    assert_eq!(seek(&f, 4 * MB + MB / 2, hole), Ok(4 * MB + MB / 2 + 4096));
+    // The mount still answers for every file (a decline would have handed that to the
+    // kernel, which says all data up to the size).
+    let c = File::open(&copy).unwrap();
+    assert_eq!(seek(&c, 0, hole), Ok(0), "the copy's hole, writer open");
+    // SAFETY: the mapping made above.
+    assert_eq!(unsafe { libc::munmap(map, len) }, 0);
     drop(w);
     let mut all = Vec::new();
     File::open(&p).unwrap().read_to_end(&mut all).unwrap();
     assert_eq!(&all[4 * MB as usize..4 * MB as usize + 4096], &[9; 4096]);
-    drop(f);
+    let at = 4 * MB as usize + len / 2;
+    assert_eq!(&all[at..at + 4096], &[10; 4096]);
+    drop((f, c));
     m.unmount();
 }

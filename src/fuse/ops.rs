@@ -195,6 +195,25 @@ pub struct FuseFs {
     ttl: Timeouts,
 }
 
+/// Answers SEEK_DATA (`data`) or SEEK_HOLE from `offset` of `ino`, from birchfs's
+/// extents.
+fn answer_seek(fs: &Fs, ino: u64, offset: u64, data: bool, reply: impl AnswerLseek) {
+    match fs.seek_data_hole(ino, offset, data) {
+        Ok(p) => reply.offset(p),
+        Err(e) => reply.error(errno(&e)),
+    }
+}
+
+/// Declines SEEK_DATA or SEEK_HOLE of `ino` (ENOSYS): the kernel answers them itself
+/// for the rest of the mount.
+fn decline_seek(ino: u64, why: impl std::fmt::Display, reply: impl AnswerLseek) {
+    tracing::info!(
+        "SEEK_DATA/SEEK_HOLE on inode {ino}, open for writing ({why}): the kernel answers \
+         them itself from now on"
+    );
+    reply.error(err(libc::ENOSYS))
+}
+
 impl FuseFs {
     /// Serves `fs` through FUSE over `/dev/fuse`.
     pub fn new(fs: Arc<Fs>) -> FuseFs {
@@ -965,12 +984,16 @@ impl FuseFs {
     /// SEEK_DATA and SEEK_HOLE, from birchfs's extents once its cache of the file is
     /// written back. The kernel does not write back its own dirty pages before it
     /// asks, so while a handle of the file is open for writing, data may sit where
-    /// this answer cannot see it, and a hole reported there would make `cp` or `tar`
-    /// skip it. Then the answer is ENOSYS, after which the kernel answers these
-    /// itself for the rest of the mount (all data up to the size, as before birchfs
-    /// answered them). Once the last writer is released, the kernel has written its
-    /// pages back (it does so on every close and release); a seek waits a little
-    /// for releases on their way ([`WRITERS_WAIT`]).
+    /// birchfs cannot see it, and a hole reported there would make `cp` or `tar`
+    /// skip it. Then the kernel is first told to drop its cache of the file from
+    /// `offset` on, which writes its dirty pages there back (as WRITE requests), and
+    /// the answer comes after that, from a thread of its own: the request threads
+    /// serve those WRITEs meanwhile. Where that cannot be done (no notifier, or the
+    /// kernel refused), the answer is ENOSYS, after which the kernel answers these
+    /// itself for the rest of the mount (all data up to the size); before that, a
+    /// seek waits a little for releases on their way ([`WRITERS_WAIT`]): once the
+    /// last writer is released, the kernel has written its pages back (it does so on
+    /// every close and release).
     pub(crate) fn lseek(&self, nodeid: u64, offset: u64, whence: i32, reply: impl AnswerLseek) {
         let ino = to_ino(nodeid);
         let data = match whence {
@@ -978,16 +1001,34 @@ impl FuseFs {
             libc::SEEK_HOLE => false,
             _ => return reply.error(err(libc::EINVAL)),
         };
-        if !self.writers.none_within(ino, WRITERS_WAIT) {
-            tracing::info!(
-                "SEEK_DATA/SEEK_HOLE on inode {ino}, open for writing: the kernel answers \
-                 them itself from now on"
-            );
-            return reply.error(err(libc::ENOSYS));
+        // With a notifier a writer's pages can be had at once: no waiting for one.
+        let notifier = self.notifier.get().cloned();
+        let wait = if notifier.is_some() {
+            Duration::ZERO
+        } else {
+            WRITERS_WAIT
+        };
+        if self.writers.none_within(ino, wait) {
+            return answer_seek(&self.fs, ino, offset, data, reply);
         }
-        match self.fs.seek_data_hole(ino, offset, data) {
-            Ok(p) => reply.offset(p),
-            Err(e) => reply.error(errno(&e)),
+        let Some(notifier) = notifier else {
+            return decline_seek(ino, "no notifier", reply);
+        };
+        let fs = self.fs.clone();
+        let from = i64::try_from(offset).unwrap_or(i64::MAX);
+        let spawned = std::thread::Builder::new()
+            .name("seek".into())
+            .spawn(move || match notifier.inval_inode(to_fuse(ino), from, 0) {
+                Ok(()) => answer_seek(&fs, ino, offset, data, reply),
+                // The kernel holds nothing of the inode, so no pages either.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                    answer_seek(&fs, ino, offset, data, reply)
+                }
+                Err(e) => decline_seek(ino, e, reply),
+            });
+        if let Err(e) = spawned {
+            // The reply went down with the closure; the kernel sees EIO.
+            tracing::warn!("SEEK_DATA/SEEK_HOLE on inode {ino}: no thread for it: {e}");
         }
     }
 
