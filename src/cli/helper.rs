@@ -3,6 +3,7 @@
 //! turned into `birchfs mount`.
 
 use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
 
 use anyhow::{bail, Result};
@@ -67,6 +68,12 @@ pub(crate) fn rewrite(args: Vec<OsString>, subcommands: &[&str]) -> Result<Optio
             p.len()
         )
     })?;
+    // The source as the mount table shows it ("birchfs:" and the path), which is
+    // what scripts such as xfstests read back and mount again.
+    let image = match image.as_encoded_bytes().strip_prefix(b"birchfs:") {
+        Some(path) => OsString::from_vec(super::umount::from_fsname(path)),
+        None => image,
+    };
     options.retain(|o| !o.is_empty() && !for_mount_only(o));
     let mut out: Vec<OsString> = vec![prog.clone(), "mount".into()];
     if !options.is_empty() {
@@ -134,6 +141,11 @@ mod tests {
                 "/mnt"
             ])
         );
+        // The source as the mount table names it.
+        let got = rewrite(os(&["birchfs", "birchfs:/img/a\\\\b\\xff", "/mnt"]), SUBS);
+        let mut want = os(&["birchfs", "mount", "", "/mnt"]);
+        want[2] = OsString::from_vec(b"/img/a\\b\xff".to_vec());
+        assert_eq!(got.unwrap().unwrap(), want);
         // No options at all: none passed on.
         let got = rewrite(os(&["mount.birchfs", "img", "/mnt"]), SUBS);
         assert_eq!(

@@ -97,7 +97,7 @@ pub(crate) fn fsname_of(image: &Path) -> String {
 }
 
 /// The path bytes [`fsname_of`] wrote (after "birchfs:").
-fn from_fsname(b: &[u8]) -> Vec<u8> {
+pub(crate) fn from_fsname(b: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
