@@ -1034,6 +1034,16 @@ impl Fs {
         if self.opts.readonly {
             return Err(Error::ReadOnly);
         }
+        // As ext4 and XFS answer FITRIM: a range that starts past the end, one shorter
+        // than a block, or a smallest piece larger than the filesystem asks for nothing
+        // that can be done (EINVAL).
+        let size = self.dev.size();
+        if start >= size || len < 4096 || min_len > size {
+            return Err(Error::Invalid(
+                "trim range starts past the end, is shorter than a block, or asks for \
+                 pieces larger than the filesystem",
+            ));
+        }
         self.commit()?;
         let end = start.saturating_add(len);
         let (mut pos, mut trimmed) = (start, 0);

@@ -1653,12 +1653,26 @@ fn trim_discards_the_free_space_and_nothing_else() {
         .filter(|b| b.iter().all(|&x| x == crate::dev::DISCARDED))
         .count() as u64;
     assert_eq!(poisoned * 4096, trimmed, "discarded blocks on the device");
-    assert_eq!(fs.trim(0, u64::MAX, 1 << 40).unwrap(), 0, "min_len ignored");
+    let size = dev.image().len() as u64;
     assert_eq!(
-        fs.trim(1 << 40, 1 << 20, 0).unwrap(),
+        fs.trim(0, u64::MAX, size).unwrap(),
         0,
-        "outside the device"
+        "no free piece that large"
     );
+    // What ext4 and XFS refuse (EINVAL): pieces larger than the filesystem, a start
+    // past its end, a range shorter than a block.
+    for (start, len, min_len) in [
+        (0, u64::MAX, size + 1),
+        (size, 1 << 20, 0),
+        (u64::MAX, u64::MAX, 0),
+        (0, 0, 0),
+        (0, 4095, 0),
+    ] {
+        assert!(
+            matches!(fs.trim(start, len, min_len), Err(Error::Invalid(_))),
+            "trim({start}, {len}, {min_len})"
+        );
+    }
     // Still readable now, and the space is used again.
     assert_eq!(read_all(&fs, orphan.ino), pattern(2 * MB as usize, 3));
     let new = fs.mknod(ROOT_INO, b"new", 0o644, 0, cr()).unwrap();
