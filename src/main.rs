@@ -16,6 +16,7 @@ mod cli {
     pub(crate) mod daemon;
     pub(crate) mod helper;
     pub(crate) mod options;
+    pub(crate) mod remount;
     pub(crate) mod umount;
 }
 
@@ -694,7 +695,10 @@ fn run() -> Result<ExitCode> {
             image,
             mountpoint,
         } => {
-            if !foreground {
+            if options.iter().any(|o| o == "remount") {
+                init_logging(None)?;
+                cli::remount::remount(&image, &mountpoint, &options)?;
+            } else if !foreground {
                 cli::options::parse_mount_options(&options)?;
                 // Paths go to the daemon as they are (not as text: a name need not
                 // be UTF-8).

@@ -178,6 +178,7 @@ impl Stats {
             cache_bytes: 0,
             cache_dirty_bytes: 0,
             cache_limit: 0,
+            readonly: false,
             dev_meta_bytes: g(&self.dev_meta_bytes),
             dev_super_bytes: g(&self.dev_super_bytes),
             dev_log_bytes: g(&self.dev_log_bytes),
@@ -244,6 +245,8 @@ pub struct StatsSnapshot {
     /// The size the page cache keeps to now (`cache_size=`, or less while memory is
     /// short).
     pub cache_limit: u64,
+    /// Whether the filesystem was opened read-only (`-o ro`).
+    pub readonly: bool,
     /// See [`Stats::dev_meta_bytes`].
     pub dev_meta_bytes: u64,
     /// See [`Stats::dev_super_bytes`].
@@ -423,13 +426,14 @@ impl StatsSnapshot {
     pub fn to_json(&self) -> String {
         format!(
             concat!(
-                "{{\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"log_flushes_shared\":{},\"full_commits\":{},",
+                "{{\"readonly\":{},\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"log_flushes_shared\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"commits_deferred\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"requests\":{},\"gather\":{{\"chosen\":{},\"declined\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
+            self.readonly,
             self.fsyncs,
             self.fsyncs_noop,
             self.fsyncs_relogged,

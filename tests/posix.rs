@@ -2991,6 +2991,74 @@ fn mount_8_and_fstab_lines_mount_birchfs() {
     assert!(!is_mounted_at(m.root()));
 }
 
+/// `mount -o remount,ro` and back: mount(8) calls birchfs as its helper with the
+/// mount's options from the mount table and `remount` (birchfs took that for a new
+/// mount and refused `remount`). Going read-only commits, so a crash of the daemon
+/// then loses nothing written before; flags not named stay as they were given;
+/// a mount made with `-o ro` is not made writable.
+#[test]
+fn remount_read_only_and_back() {
+    let mut m = Mount::unmounted("256M");
+    m.mount_with(&["nosuid"]);
+    fs::write(m.path("f"), b"before the remount").unwrap();
+    let source = format!("birchfs:{}", m.image().display());
+    let root = m.root().to_path_buf();
+    // What mount(8) passes for `mount -o remount,ro MNT` (through mount.fuse3).
+    let helper = |opts: &str| {
+        cli(&[
+            source.as_ref(),
+            root.as_os_str(),
+            "-o".as_ref(),
+            opts.as_ref(),
+        ])
+    };
+    let out = helper(
+        "ro,nosuid,relatime,remount,user_id=0,group_id=0,default_permissions,allow_other,dev",
+    );
+    assert!(out.status.success(), "remount,ro:\n{}", describe(&out));
+    let (_, opts) = mount_type_and_options(m.root());
+    assert!(opts.starts_with("ro,") && opts.contains("nosuid"), "{opts}");
+    let e = fs::write(m.path("g"), b"x").unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS));
+    let out = helper("rw,nosuid,remount,cache_size=64M");
+    assert!(out.status.success(), "remount,rw:\n{}", describe(&out));
+    assert!(mount_type_and_options(m.root()).1.starts_with("rw,"));
+    fs::write(m.path("g"), b"after").unwrap();
+    // `birchfs mount -o remount,ro` does the same; then the daemon dies.
+    let out = cli(&[
+        "mount".as_ref(),
+        "-o".as_ref(),
+        "remount,ro".as_ref(),
+        m.image().as_os_str(),
+        m.root().as_os_str(),
+    ]);
+    assert!(
+        out.status.success(),
+        "birchfs mount -o remount,ro:\n{}",
+        describe(&out)
+    );
+    m.kill_daemon();
+    m.mount();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"before the remount");
+    assert_eq!(
+        fs::read(m.path("g")).unwrap(),
+        b"after",
+        "committed going read-only"
+    );
+    let out = helper("remount,bogus");
+    fails_saying(&out, "bogus", "a bad option on a remount");
+    m.unmount();
+    m.mount_with(&["ro"]);
+    let out = helper("rw,remount");
+    fails_saying(
+        &out,
+        "mounted with -o ro",
+        "remount,rw of a read-only daemon",
+    );
+    assert!(mount_type_and_options(m.root()).1.starts_with("ro,"));
+    m.unmount();
+}
+
 /// An open directory removed by rmdir or replaced by a rename keeps answering
 /// fstat (with no links) until it is closed, as on a kernel filesystem, and is freed
 /// then.

@@ -390,6 +390,7 @@ impl Fs {
         s.cache_bytes = self.cache.bytes();
         s.cache_dirty_bytes = self.cache.dirty_bytes();
         s.cache_limit = self.cache.size_limit();
+        s.readonly = self.opts.readonly;
         s
     }
 

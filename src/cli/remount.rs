@@ -1,0 +1,169 @@
+//! `mount -o remount,ro|rw MOUNTPOINT` (and `birchfs mount -o remount,… IMAGE
+//! MOUNTPOINT`): the kernel's read-only state and generic flags of a birchfs mount
+//! changed in place.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+/// The mount(2) flags a remount asks for.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Remount {
+    /// Read-only.
+    pub(crate) ro: bool,
+    /// MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_NOATIME, MS_NODIRATIME, MS_SYNCHRONOUS.
+    pub(crate) flags: libc::c_ulong,
+}
+
+/// The remount that `options` (which hold `remount`) ask for. mount(8) passes the
+/// mount's options as the mount table shows them: the kernel's FUSE ones and
+/// `relatime` are taken as they are; birchfs's own (`cache_size=` and the like) stay
+/// as mounted; a later flag overrides an earlier one.
+pub(crate) fn parse(options: &[String]) -> Result<Remount> {
+    let mut r = Remount::default();
+    let mut set = |flag: libc::c_ulong, on: bool| {
+        if on {
+            r.flags |= flag;
+        } else {
+            r.flags &= !flag;
+        }
+    };
+    let mut ro = false;
+    for opt in options {
+        match opt.as_str() {
+            "remount" | "defaults" | "relatime" | "default_permissions" | "allow_other" => {}
+            "ro" => ro = true,
+            "rw" => ro = false,
+            "nosuid" => set(libc::MS_NOSUID, true),
+            "suid" => set(libc::MS_NOSUID, false),
+            "nodev" => set(libc::MS_NODEV, true),
+            "dev" => set(libc::MS_NODEV, false),
+            "noexec" => set(libc::MS_NOEXEC, true),
+            "exec" => set(libc::MS_NOEXEC, false),
+            "noatime" => set(libc::MS_NOATIME, true),
+            "nodiratime" => set(libc::MS_NODIRATIME, true),
+            "sync" => set(libc::MS_SYNCHRONOUS, true),
+            "async" => set(libc::MS_SYNCHRONOUS, false),
+            o if ["user_id=", "group_id=", "max_read=", "blksize="]
+                .iter()
+                .any(|p| o.starts_with(p)) => {}
+            o => {
+                // birchfs's own options keep what the mount has; an unknown or
+                // malformed one is still an error.
+                super::options::parse_mount_options(&[o.to_owned()])
+                    .with_context(|| format!("remount: option '{o}'"))?;
+            }
+        }
+    }
+    r.ro = ro;
+    Ok(r)
+}
+
+/// Remounts the birchfs at `mountpoint` (which must hold `image`) as `options` say.
+/// Going read-only, the kernel writes its cached pages back first, and the daemon
+/// then commits, so that the image is whole while the mount stays read-only.
+pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let want = parse(options)?;
+    let mounted = super::umount::image_mounted_at(mountpoint)?;
+    let same = |a: &Path, b: &Path| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    };
+    if !same(image, &mounted) {
+        bail!(
+            "remount: {} holds {}, not {}",
+            mountpoint.display(),
+            mounted.display(),
+            image.display()
+        );
+    }
+    if !want.ro {
+        let raw = crate::read_stats(mountpoint, birchfs::fuse::STATS_XATTR)?;
+        let stats: serde_json::Value = serde_json::from_str(&raw).context("bad stats")?;
+        if stats["readonly"] == serde_json::Value::Bool(true) {
+            bail!(
+                "remount: {} was mounted with -o ro, and its daemon writes nothing; unmount \
+                 it and mount it again to write",
+                mountpoint.display()
+            );
+        }
+    }
+    let target = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
+    let flags = libc::MS_REMOUNT | want.flags | if want.ro { libc::MS_RDONLY } else { 0 };
+    // SAFETY: a valid C string; no source, type or data, as a remount takes.
+    let rc = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            target.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        bail!(
+            "cannot remount {}: {}",
+            mountpoint.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    if want.ro {
+        let done = crate::sync_cmd(mountpoint)
+            .with_context(|| format!("{} is read-only now, but", mountpoint.display()))?;
+        if done != std::process::ExitCode::SUCCESS {
+            bail!(
+                "{} is read-only now, but its last changes are not committed (see above); \
+                 `birchfs sync` tries again",
+                mountpoint.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(s: &str) -> Vec<String> {
+        s.split(',').map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn what_mount_8_passes_on_a_remount_is_understood() {
+        // What mount(8) passed for `mount -o remount,ro` of a birchfs mount.
+        let r = parse(&opts(
+            "ro,relatime,remount,user_id=0,group_id=0,default_permissions,allow_other,dev,suid",
+        ))
+        .unwrap();
+        assert_eq!(r, Remount { ro: true, flags: 0 });
+        let r = parse(&opts("rw,nosuid,nodev,remount,cache_size=1G,noexec,exec")).unwrap();
+        assert_eq!(
+            r,
+            Remount {
+                ro: false,
+                flags: libc::MS_NOSUID | libc::MS_NODEV
+            }
+        );
+        let r = parse(&opts("remount,noatime,sync,ro,rw")).unwrap();
+        assert_eq!(
+            r,
+            Remount {
+                ro: false,
+                flags: libc::MS_NOATIME | libc::MS_SYNCHRONOUS
+            }
+        );
+    }
+
+    #[test]
+    fn a_bad_option_on_a_remount_is_an_error() {
+        for bad in [
+            "remount,bogus",
+            "remount,cache_size=lots",
+            "remount,strictatime",
+        ] {
+            assert!(parse(&opts(bad)).is_err(), "{bad}");
+        }
+    }
+}
