@@ -100,7 +100,7 @@ fn unknown_option(opt: &str) -> String {
          folio_size=SIZE, dirty_expire=SECONDS, block_dirty=on|off, threads=N, \
          fsync_gather=on|off, direct_read=SIZE|off, uring=auto|on|off, uring_threads=N, \
          uring_depth=N, discard[=SIZE], nodiscard, timeout=SECONDS, negative_timeout=SECONDS, \
-         ro, rw, nosuid, nodev, noexec, noatime, sync, defaults)"
+         ro, rw, norecovery, nosuid, nodev, noexec, noatime, sync, defaults)"
     )
 }
 
@@ -194,6 +194,8 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
                 "discard" => o.fs.discard = Some(DISCARD_MIN_DEFAULT),
                 "nodiscard" => o.fs.discard = None,
                 "defaults" => {}
+                // ext4's and XFS's name, and btrfs's older one.
+                "norecovery" | "nologreplay" => o.fs.no_log_replay = true,
                 "atime" | "relatime" | "strictatime" | "diratime" | "lazytime" => bail!(
                     "mount option '{opt}': birchfs does not update access times on reads \
                      (it behaves as noatime)"
@@ -205,6 +207,12 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             },
             _ => bail!(unknown_option(opt)),
         }
+    }
+    if o.fs.no_log_replay && !o.fs.readonly {
+        bail!(
+            "mount option 'norecovery' needs 'ro': a writable mount would empty the log, and \
+             the fsyncs in it would be lost"
+        );
     }
     o.fs.cache.validate().map_err(|e| anyhow!("{e}"))?;
     // A cache larger than memory is a slip (100T for 100M): writers would fill it
@@ -227,6 +235,19 @@ mod tests {
 
     fn parse(s: &str) -> Result<MountOpts> {
         parse_mount_options(&s.split(',').map(String::from).collect::<Vec<_>>())
+    }
+
+    /// norecovery (or nologreplay) leaves the log alone, and only on a read-only mount.
+    #[test]
+    fn norecovery_needs_ro() {
+        for ok in ["ro,norecovery", "nologreplay,ro"] {
+            assert!(parse(ok).unwrap().fs.no_log_replay, "{ok}");
+        }
+        assert!(!parse("ro").unwrap().fs.no_log_replay);
+        for bad in ["norecovery", "ro,norecovery,rw"] {
+            let e = parse(bad).err().expect(bad).to_string();
+            assert!(e.contains("needs 'ro'"), "{bad}: {e}");
+        }
     }
 
     /// Each option lands in its own field; later options override earlier ones.

@@ -48,6 +48,9 @@ pub struct Options {
     /// Online discard: after each commit, discard the runs of at least this many bytes
     /// among what it freed (`None`: off; `fstrim` still works).
     pub discard: Option<u64>,
+    /// Leave the log unreplayed: the last commit alone, without the fsyncs since
+    /// (read-only mounts only, which leave the log as it is).
+    pub no_log_replay: bool,
 }
 
 impl Default for Options {
@@ -57,6 +60,7 @@ impl Default for Options {
             commit_interval: Duration::from_secs(30),
             cache: CacheOptions::default(),
             discard: None,
+            no_log_replay: false,
         }
     }
 }
@@ -310,6 +314,12 @@ impl Fs {
     /// Mounts the filesystem on `dev`: the last commit's state, then frees orphans.
     pub fn open(dev: Arc<dyn BlockDev>, opts: Options) -> Result<Fs> {
         opts.cache.validate().map_err(Error::BadOption)?;
+        if opts.no_log_replay && !opts.readonly {
+            // The first commit would empty the log, and the fsyncs in it would be lost.
+            return Err(Error::BadOption(
+                "leaving the log unreplayed needs a read-only mount".into(),
+            ));
+        }
         let store = Store::open(dev.clone(), opts.readonly)?;
         let stats = store.stats.clone();
         let cache = Arc::new(PageCache::new(opts.cache));
@@ -321,7 +331,11 @@ impl Fs {
             maps: Default::default(),
             cache: cache.clone(),
         };
-        inner.replay_log()?;
+        if opts.no_log_replay {
+            tracing::info!("the log is not replayed (norecovery): the last commit alone");
+        } else {
+            inner.replay_log()?;
+        }
         inner.store.log.enabled = !opts.readonly;
         inner.next_ino = inner.find_next_ino()?;
         let fs = Fs {

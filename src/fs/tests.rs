@@ -444,6 +444,49 @@ fn readonly_refuses_changes() {
     assert_eq!(fs.read(f.ino, 0, 10).unwrap(), b"old");
 }
 
+/// A read-only open that leaves the log unreplayed (norecovery) shows the last commit
+/// alone and leaves the log as it was: a later open still replays the fsync. Asked
+/// of a writable open, it is refused.
+#[test]
+fn no_log_replay_shows_the_last_commit_and_keeps_the_log() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"committed", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, b"old").unwrap();
+    fs.commit().unwrap();
+    fs.write(f.ino, 0, b"new").unwrap();
+    let g = fs.mknod(ROOT_INO, b"logged", 0o644, 0, cr()).unwrap();
+    fs.fsync(f.ino, false).unwrap();
+    fs.fsync(g.ino, false).unwrap();
+    // A crash: the device as it is now, no unmount.
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs);
+    let open = |no_log_replay: bool, readonly: bool| {
+        Fs::open(
+            crashed.clone(),
+            Options {
+                readonly,
+                no_log_replay,
+                ..Default::default()
+            },
+        )
+    };
+    assert!(matches!(open(true, false), Err(Error::BadOption(_))));
+    let bare = open(true, true).unwrap();
+    assert_eq!(bare.read(f.ino, 0, 10).unwrap(), b"old", "the last commit");
+    assert!(matches!(
+        bare.lookup_nopin(ROOT_INO, b"logged"),
+        Err(Error::NotFound)
+    ));
+    drop(bare);
+    let replayed = open(false, false).unwrap();
+    assert_eq!(replayed.read(f.ino, 0, 10).unwrap(), b"new", "the log kept");
+    replayed.lookup_nopin(ROOT_INO, b"logged").unwrap();
+    assert_eq!(
+        problems_after_unmount(&crashed, replayed),
+        Vec::<String>::new()
+    );
+}
+
 #[test]
 fn fsync_goes_to_the_log_and_counts_seed_one_cases() {
     let (dev, fs) = mk(64 * MB);
