@@ -697,7 +697,7 @@ mod tests {
             ..Default::default()
         }
         .to_json();
-        assert!(j.starts_with("{\"fsyncs\":3,"), "{j}");
+        assert!(j.starts_with("{\"readonly\":false,\"fsyncs\":3,"), "{j}");
         assert!(j.contains("\"p99\":"), "{j}");
     }
 }
