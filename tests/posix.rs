@@ -4466,7 +4466,19 @@ fn fstrim_gives_the_free_space_back_to_the_host() {
             "on_loop {on_loop}: {trimmed} bytes trimmed, host blocks {} -> {after}",
             st.full
         );
-        assert_eq!(fitrim(m.root(), 0, u64::MAX, 1 << 40), Ok(0), "minlen");
+        // What ext4 and XFS refuse: pieces larger than the filesystem, a range
+        // shorter than a block or starting past the end.
+        assert_eq!(
+            fitrim(m.root(), 0, u64::MAX, 1 << 40),
+            Err(libc::EINVAL),
+            "minlen"
+        );
+        assert_eq!(fitrim(m.root(), 0, 100, 0), Err(libc::EINVAL), "len");
+        assert_eq!(
+            fitrim(m.root(), 1 << 50, 1 << 20, 0),
+            Err(libc::EINVAL),
+            "start"
+        );
         let as_nobody = run_as(65534, 65534, || fitrim(m.root(), 0, u64::MAX, 0));
         assert_eq!(
             as_nobody,
