@@ -3844,7 +3844,9 @@ fn a_block_device_in_use_by_the_system_is_refused() {
 
 /// An image inside its own mount point mounts (the daemon looked at the image's
 /// path once mounted, through the mount it did not serve yet, and hung), serves,
-/// and is whole after `umount`.
+/// and is whole after `umount`; `birchfs umount` waits for its daemon too (it could
+/// not open the image, hidden under the mount, and unmounted nothing), also when the
+/// filesystem holds a file of the image's name.
 #[test]
 fn an_image_inside_its_own_mount_point_mounts() {
     let m = Mount::bare();
@@ -3864,6 +3866,20 @@ fn an_image_inside_its_own_mount_point_mounts() {
     assert!(
         image_unlocked(&img),
         "the daemon did not let go of the image"
+    );
+    let out = cli(&["check".as_ref(), img.as_os_str()]);
+    assert!(out.status.success(), "check:\n{}", describe(&out));
+    let out = cli(&["mount".as_ref(), img.as_os_str(), dir.as_os_str()]);
+    let _again = UnmountOnDrop(dir.clone());
+    assert!(out.status.success(), "mount:\n{}", describe(&out));
+    assert_eq!(fs::read(dir.join("f")).unwrap(), b"over the image");
+    fs::write(dir.join("img"), b"a file of the image's name").unwrap();
+    let out = cli(&["umount".as_ref(), dir.as_os_str()]);
+    assert!(out.status.success(), "birchfs umount:\n{}", describe(&out));
+    assert!(!is_mounted_at(&dir));
+    assert!(
+        image_unlocked(&img),
+        "birchfs umount returned before the daemon ended"
     );
     let out = cli(&["check".as_ref(), img.as_os_str()]);
     assert!(out.status.success(), "check:\n{}", describe(&out));

@@ -232,6 +232,47 @@ impl Daemon {
     }
 }
 
+/// The image mounted at `mountpoint`, opened to wait on its lock. An image inside its
+/// own mount point is hidden under the mount (its path leads into the filesystem
+/// itself): it is reopened through the daemon's own descriptor of it.
+fn open_image(image: &Path, mountpoint: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let mounted = std::fs::metadata(mountpoint)?.dev();
+    match std::fs::File::open(image) {
+        Ok(f) if f.metadata()?.dev() != mounted => Ok(f),
+        Ok(_) => reopen_from_daemon(image)
+            .with_context(|| "it lies under its own mount, and no process holds it open"),
+        Err(e) => reopen_from_daemon(image).ok_or(e).map_err(Into::into),
+    }
+}
+
+/// `image` reopened through `/proc/PID/fd` of a process that has it open by that path
+/// (its daemon).
+fn reopen_from_daemon(image: &Path) -> Option<std::fs::File> {
+    let procs = std::fs::read_dir("/proc").ok()?;
+    for p in procs.flatten() {
+        if !p
+            .file_name()
+            .as_encoded_bytes()
+            .iter()
+            .all(u8::is_ascii_digit)
+        {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).is_ok_and(|t| t == image) {
+                if let Ok(f) = std::fs::File::open(fd.path()) {
+                    return Some(f);
+                }
+            }
+        }
+    }
+    None
+}
+
 /// Longest `birchfs umount` waits for the sync it runs first; past it, it unmounts and
 /// the daemon goes on with its last commit (a large cache takes a while to write).
 const SYNC_WAIT: Duration = Duration::from_secs(30);
@@ -300,7 +341,7 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
             image.display()
         );
     }
-    let file = std::fs::File::open(&image).with_context(|| {
+    let file = open_image(&image, &abs).with_context(|| {
         format!(
             "cannot open {} to wait for its daemon; nothing unmounted (umount does not wait)",
             image.display()
