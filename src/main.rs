@@ -146,8 +146,8 @@ enum SnapshotCmd {
     Create {
         /// A birchfs mountpoint, or an unmounted image
         target: PathBuf,
-        /// Name of the snapshot
-        name: String,
+        /// Name of the snapshot (any bytes but `/` and NUL, as a file name)
+        name: std::ffi::OsString,
     },
     /// List the snapshots
     List {
@@ -162,7 +162,7 @@ enum SnapshotCmd {
         /// A birchfs mountpoint, or an unmounted image
         target: PathBuf,
         /// Name of the snapshot
-        name: String,
+        name: std::ffi::OsString,
     },
 }
 
@@ -303,6 +303,7 @@ fn trim_cmd(target: &Path) -> Result<u64> {
 }
 
 fn snapshot_cmd(action: SnapshotCmd) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
     let target = match &action {
         SnapshotCmd::Create { target, .. }
         | SnapshotCmd::List { target, .. }

@@ -7,6 +7,7 @@ mod common;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
@@ -158,6 +159,25 @@ fn the_snapshot_command_works_on_a_mount_and_on_an_image() {
             );
         }
     }
+    // A name that is not UTF-8 is a name like any other (clap refused it), on a mount
+    // and on an image.
+    let odd = std::ffi::OsStr::from_bytes(b"caf\xe9-\xff");
+    let snap = |verb: &str, target: &std::path::Path| {
+        let out = birchfs(["snapshot".as_ref(), verb.as_ref(), target.as_os_str(), odd]);
+        assert!(out.status.success(), "{verb} {odd:?}: {}", describe(&out));
+    };
+    snap("create", m.root());
+    assert!(m.path(".snapshots").join(odd).is_dir());
+    snap("delete", m.root());
+    assert!(!m.path(".snapshots").join(odd).exists());
+    m.unmount();
+    snap("create", m.image());
+    m.mount();
+    assert!(m.path(".snapshots").join(odd).is_dir());
+    m.unmount();
+    snap("delete", m.image());
+    m.mount();
+    assert!(!m.path(".snapshots").join(odd).exists());
     let out = birchfs(["snapshot", "list", "--json", &root]);
     assert!(out.status.success(), "list: {}", describe(&out));
     let json = String::from_utf8_lossy(&out.stdout);
