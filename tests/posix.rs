@@ -3885,6 +3885,70 @@ fn an_image_inside_its_own_mount_point_mounts() {
     assert!(out.status.success(), "check:\n{}", describe(&out));
 }
 
+/// `birchfs umount` of one of two mounts of a filesystem (a bind mount of it, or the
+/// original while a bind mount stays) unmounts that one and returns: the daemon goes on
+/// serving the other (it waited for that daemon to end, for ever). Unmounting the last
+/// one waits for the daemon as before.
+#[test]
+fn birchfs_umount_of_a_bind_mount_leaves_the_other() {
+    let m = Mount::bare();
+    let (img, a, b) = (
+        m.host_dir().join("img"),
+        m.host_dir().join("a"),
+        m.host_dir().join("b"),
+    );
+    fs::create_dir(&a).unwrap();
+    fs::create_dir(&b).unwrap();
+    let _a = mkfs_and_mount(&img, &a);
+    let _b = UnmountOnDrop(b.clone());
+    fs::write(a.join("f"), b"shared").unwrap();
+    let bind = |from: &Path, to: &Path| {
+        let out = run(
+            Command::new("mount").arg("--bind").arg(from).arg(to),
+            Duration::from_secs(60),
+        );
+        assert!(out.status.success(), "mount --bind:\n{}", describe(&out));
+    };
+    let umount = |p: &Path| {
+        let out = cli(&[
+            "umount".as_ref(),
+            "--timeout".as_ref(),
+            "20".as_ref(),
+            p.as_os_str(),
+        ]);
+        assert!(
+            out.status.success(),
+            "birchfs umount {p:?}:\n{}",
+            describe(&out)
+        );
+        assert!(!is_mounted_at(p));
+        out
+    };
+    bind(&a, &b);
+    let out = umount(&b);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("stays mounted at"),
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(fs::read(a.join("f")).unwrap(), b"shared");
+    bind(&a, &b);
+    umount(&a);
+    assert_eq!(
+        fs::read(b.join("f")).unwrap(),
+        b"shared",
+        "served on at the bind"
+    );
+    fs::write(b.join("g"), b"after").unwrap();
+    umount(&b);
+    assert!(
+        image_unlocked(&img),
+        "the last unmount returned before the daemon ended"
+    );
+    let out = cli(&["check".as_ref(), img.as_os_str()]);
+    assert!(out.status.success(), "check:\n{}", describe(&out));
+}
+
 /// A command whose reader goes away (`birchfs snapshot list IMG | head -0`) ends
 /// quietly, killed by SIGPIPE as cat or ls are; it panicked ("failed printing to
 /// stdout: Broken pipe") with a backtrace.

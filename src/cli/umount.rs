@@ -33,6 +33,8 @@ fn unescape(b: &[u8]) -> std::ffi::OsString {
 
 /// One mount of /proc/self/mountinfo.
 struct Mounted {
+    /// The filesystem's device number ("major:minor"), shared by its bind mounts.
+    dev: Vec<u8>,
     /// Where it is mounted.
     point: PathBuf,
     /// The image, when it is a birchfs (a FUSE mount whose source is "birchfs:...").
@@ -45,6 +47,7 @@ fn mounts(mountinfo: &[u8]) -> impl DoubleEndedIterator<Item = Mounted> + '_ {
     use std::os::unix::ffi::OsStringExt;
     mountinfo.split(|&c| c == b'\n').filter_map(|line| {
         let f: Vec<&[u8]> = line.split(|&c| c == b' ').collect();
+        let dev = f.get(2)?.to_vec();
         let point = PathBuf::from(unescape(f.get(4)?));
         let sep = f.iter().position(|x| *x == b"-")?;
         let (fstype, source) = (*f.get(sep + 1)?, *f.get(sep + 2)?);
@@ -53,7 +56,7 @@ fn mounts(mountinfo: &[u8]) -> impl DoubleEndedIterator<Item = Mounted> + '_ {
             .strip_prefix(b"birchfs:")
             .filter(|_| fuse)
             .map(|s| std::ffi::OsString::from_vec(from_fsname(&unescape(s).into_vec())).into());
-        Some(Mounted { point, image })
+        Some(Mounted { dev, point, image })
     })
 }
 
@@ -79,6 +82,20 @@ pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathB
         .rev()
         .find(|m| m.point == mountpoint)?
         .image
+}
+
+/// The other places the filesystem mounted (on top) at `mountpoint` is mounted too:
+/// bind mounts of it, or it bound elsewhere. While one stays, its daemon serves on.
+fn other_mounts_of(mountinfo: &[u8], mountpoint: &Path) -> Vec<PathBuf> {
+    let all: Vec<Mounted> = mounts(mountinfo).collect();
+    let Some(top) = all.iter().rposition(|m| m.point == mountpoint) else {
+        return Vec::new();
+    };
+    all.iter()
+        .enumerate()
+        .filter(|&(i, m)| i != top && m.dev == all[top].dev)
+        .map(|(_, m)| m.point.clone())
+        .collect()
 }
 
 /// The mount's source name for `image` ("birchfs:" and its path), which is text: a
@@ -332,6 +349,16 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
     use std::os::unix::ffi::OsStrExt;
     let abs = std::path::absolute(mountpoint)?;
     let image = image_mounted_at(mountpoint)?;
+    let others = {
+        let info = std::fs::read("/proc/self/mountinfo")?;
+        let real = std::fs::canonicalize(&abs).unwrap_or_else(|_| abs.clone());
+        let o = other_mounts_of(&info, &abs);
+        if o.is_empty() {
+            other_mounts_of(&info, &real)
+        } else {
+            o
+        }
+    };
     // Opened before the unmount: the daemon holds the image's lock until it is done.
     // Without it there is nothing to wait on, so nothing is unmounted either.
     if !image.is_absolute() {
@@ -389,6 +416,16 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
             _ => bail!("cannot unmount {}: {e}", abs.display()),
         }
     }
+    if !others.is_empty() {
+        let list: Vec<String> = others.iter().map(|p| p.display().to_string()).collect();
+        eprintln!(
+            "birchfs umount: {} is unmounted; the filesystem stays mounted at {}, and its \
+             daemon with it",
+            abs.display(),
+            list.join(", ")
+        );
+        return done();
+    }
     let who = match &daemon {
         Some(d) => format!("the daemon of {} (pid {})", image.display(), d.pid),
         None => format!("the daemon of {}", image.display()),
@@ -437,6 +474,32 @@ mod tests {
 
     /// The image comes from the last birchfs mount on that path, with mountinfo's
     /// octal escapes undone; other filesystems and other paths give nothing.
+    #[test]
+    fn other_mounts_of_a_filesystem_are_its_binds() {
+        let info = "\
+22 1 8:1 / / rw - ext4 /dev/sda1 rw
+44 22 0:39 / /mnt/a rw - fuse.birchfs birchfs:/img rw
+45 22 0:39 /sub /mnt/b rw - fuse.birchfs birchfs:/img rw
+46 22 0:40 / /mnt/c rw - fuse.birchfs birchfs:/other rw
+47 44 0:41 / /mnt/a rw - tmpfs none rw
+";
+        let others = |m: &str| other_mounts_of(info.as_bytes(), Path::new(m));
+        assert_eq!(others("/mnt/b"), vec![PathBuf::from("/mnt/a")]);
+        assert_eq!(others("/mnt/c"), Vec::<PathBuf>::new());
+        assert_eq!(
+            others("/mnt/x"),
+            Vec::<PathBuf>::new(),
+            "nothing mounted there"
+        );
+        // The top mount at /mnt/a is the tmpfs, which has no other mount.
+        assert_eq!(others("/mnt/a"), Vec::<PathBuf>::new());
+        let under = info.replace("47 44 0:41 / /mnt/a rw - tmpfs none rw\n", "");
+        assert_eq!(
+            other_mounts_of(under.as_bytes(), Path::new("/mnt/a")),
+            vec![PathBuf::from("/mnt/b")]
+        );
+    }
+
     #[test]
     fn mounted_image_reads_the_mount_table() {
         let info = "\
