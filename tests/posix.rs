@@ -4322,6 +4322,31 @@ fn check_waits_for_a_daemon_that_is_finishing() {
     );
 }
 
+/// Where there is no /dev/fuse (a container not given the device), the mount says so
+/// and how to get it; it said "cannot mount on MNT: No such file or directory", as if
+/// the mount point were missing. Run in a mount namespace of its own with an empty
+/// /dev (but for /dev/null).
+#[test]
+fn a_missing_dev_fuse_is_named() {
+    let m = Mount::unmounted("64M");
+    let out = run(
+        Command::new("unshare")
+            .args([
+                "-m",
+                "sh",
+                "-c",
+                "mount -t tmpfs none /dev && mknod -m 666 /dev/null c 1 3 && \
+                 exec \"$0\" mount \"$1\" \"$2\"",
+                BIN,
+            ])
+            .arg(m.image())
+            .arg(m.root()),
+        Duration::from_secs(60),
+    );
+    fails_saying(&out, "there is no /dev/fuse", "mount without /dev/fuse");
+    assert!(!is_mounted_at(m.root()));
+}
+
 /// A user who is not root makes, mounts (through the setuid fusermount3), uses and
 /// unmounts a filesystem of their own. Needs root (to act as uid 65534) and
 /// fusermount3; where /dev/fuse is closed to users, the mount says so, and then

@@ -174,6 +174,11 @@ fn mount_serve(
                 "; this user may not open /dev/fuse (most distributions make it mode 0666): \
                  mount as root, or ask the administrator for access"
             }
+            Some(libc::ENOENT) if !Path::new("/dev/fuse").exists() => {
+                "; there is no /dev/fuse: load the fuse module (modprobe fuse), or in a \
+                 container give it the device (docker run --device /dev/fuse --cap-add \
+                 SYS_ADMIN)"
+            }
             _ => "",
         };
         anyhow::anyhow!("cannot mount on {}: {e}{why}", mountpoint.display())
