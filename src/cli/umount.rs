@@ -251,14 +251,18 @@ impl Daemon {
 
 /// The image mounted at `mountpoint`, opened to wait on its lock. An image inside its
 /// own mount point is hidden under the mount (its path leads into the filesystem
-/// itself): it is reopened through the daemon's own descriptor of it.
+/// itself): it is reopened through the daemon's own descriptor of it. Nothing here
+/// looks inside the mount, whose daemon may be stopped (a stat would wait for it) or
+/// gone.
 fn open_image(image: &Path, mountpoint: &Path) -> Result<std::fs::File> {
-    use std::os::unix::fs::MetadataExt;
-    let mounted = std::fs::metadata(mountpoint)?.dev();
+    let hidden = image.starts_with(mountpoint)
+        || std::fs::canonicalize(mountpoint).is_ok_and(|m| image.starts_with(m));
+    if hidden {
+        return reopen_from_daemon(image)
+            .context("it lies under its own mount, and no process holds it open");
+    }
     match std::fs::File::open(image) {
-        Ok(f) if f.metadata()?.dev() != mounted => Ok(f),
-        Ok(_) => reopen_from_daemon(image)
-            .with_context(|| "it lies under its own mount, and no process holds it open"),
+        Ok(f) => Ok(f),
         Err(e) => reopen_from_daemon(image).ok_or(e).map_err(Into::into),
     }
 }
