@@ -160,21 +160,33 @@ pub(crate) fn refuse_dead_mount(path: &Path) -> Result<()> {
 /// The image of the birchfs mounted at `mountpoint` (as given, or with its links
 /// resolved); an error when no birchfs is mounted there.
 pub(crate) fn image_mounted_at(mountpoint: &Path) -> Result<PathBuf> {
-    let info = std::fs::read("/proc/self/mountinfo").context("cannot read /proc/self/mountinfo")?;
+    let info = read_mountinfo()?;
+    Ok(birchfs_mounted_at(&info, mountpoint)?.1)
+}
+
+/// /proc/self/mountinfo, as bytes.
+fn read_mountinfo() -> Result<Vec<u8>> {
+    std::fs::read("/proc/self/mountinfo").context("cannot read /proc/self/mountinfo")
+}
+
+/// The mount point as `info` names it (the path as given, made absolute, or else with
+/// its links resolved) and the image of the birchfs mounted there.
+fn birchfs_mounted_at(info: &[u8], mountpoint: &Path) -> Result<(PathBuf, PathBuf)> {
     let abs = std::path::absolute(mountpoint)?;
     let real = std::fs::canonicalize(&abs).ok();
-    mounted_image(&info, &abs)
-        .or_else(|| mounted_image(&info, real.as_deref()?))
-        .ok_or_else(
-            || match real.and_then(|r| birchfs_mount_holding(&info, &r)) {
-                Some(mp) => anyhow!(
-                    "{} is inside the birchfs mounted at {}: give that mount point",
-                    mountpoint.display(),
-                    mp.display()
-                ),
-                None => anyhow!("{} is not a birchfs mountpoint", mountpoint.display()),
-            },
-        )
+    for point in std::iter::once(abs).chain(real.clone()) {
+        if let Some(image) = mounted_image(info, &point) {
+            return Ok((point, image));
+        }
+    }
+    Err(match real.and_then(|r| birchfs_mount_holding(info, &r)) {
+        Some(mp) => anyhow!(
+            "{} is inside the birchfs mounted at {}: give that mount point",
+            mountpoint.display(),
+            mp.display()
+        ),
+        None => anyhow!("{} is not a birchfs mountpoint", mountpoint.display()),
+    })
 }
 
 /// The pid holding an exclusive flock on the file with device `major:minor` and inode
@@ -352,17 +364,9 @@ fn sync_before_unmount(mountpoint: &Path, wait: Duration) -> Result<Option<Strin
 pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let abs = std::path::absolute(mountpoint)?;
-    let image = image_mounted_at(mountpoint)?;
-    let others = {
-        let info = std::fs::read("/proc/self/mountinfo")?;
-        let real = std::fs::canonicalize(&abs).unwrap_or_else(|_| abs.clone());
-        let o = other_mounts_of(&info, &abs);
-        if o.is_empty() {
-            other_mounts_of(&info, &real)
-        } else {
-            o
-        }
-    };
+    let info = read_mountinfo()?;
+    let (point, image) = birchfs_mounted_at(&info, mountpoint)?;
+    let others = other_mounts_of(&info, &point);
     // Opened before the unmount: the daemon holds the image's lock until it is done.
     // Without it there is nothing to wait on, so nothing is unmounted either.
     if !image.is_absolute() {
