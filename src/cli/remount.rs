@@ -6,34 +6,26 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
-/// The mount(2) flags a remount asks for.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Remount {
-    /// Read-only.
-    pub(crate) ro: bool,
-    /// MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_NOATIME, MS_NODIRATIME, MS_SYNCHRONOUS.
-    pub(crate) flags: libc::c_ulong,
-}
-
-/// The remount that `options` (which hold `remount`) ask for. mount(8) passes the
+/// The remount that `options` (which hold `remount`) ask for, as mount(2) flags
+/// (MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_NOATIME, MS_NODIRATIME,
+/// MS_SYNCHRONOUS). mount(8) passes the
 /// mount's options as the mount table shows them: the kernel's FUSE ones and
 /// `relatime` are taken as they are; birchfs's own (`cache_size=` and the like) stay
 /// as mounted; a later flag overrides an earlier one.
-pub(crate) fn parse(options: &[String]) -> Result<Remount> {
-    let mut r = Remount::default();
+pub(crate) fn parse(options: &[String]) -> Result<libc::c_ulong> {
+    let mut flags = 0;
     let mut set = |flag: libc::c_ulong, on: bool| {
         if on {
-            r.flags |= flag;
+            flags |= flag;
         } else {
-            r.flags &= !flag;
+            flags &= !flag;
         }
     };
-    let mut ro = false;
     for opt in options {
         match opt.as_str() {
             "remount" | "defaults" | "relatime" | "default_permissions" | "allow_other" => {}
-            "ro" => ro = true,
-            "rw" => ro = false,
+            "ro" => set(libc::MS_RDONLY, true),
+            "rw" => set(libc::MS_RDONLY, false),
             "nosuid" => set(libc::MS_NOSUID, true),
             "suid" => set(libc::MS_NOSUID, false),
             "nodev" => set(libc::MS_NODEV, true),
@@ -55,8 +47,7 @@ pub(crate) fn parse(options: &[String]) -> Result<Remount> {
             }
         }
     }
-    r.ro = ro;
-    Ok(r)
+    Ok(flags)
 }
 
 /// Remounts the birchfs at `mountpoint` (which must hold `image`) as `options` say.
@@ -65,6 +56,7 @@ pub(crate) fn parse(options: &[String]) -> Result<Remount> {
 pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let want = parse(options)?;
+    let ro = want & libc::MS_RDONLY != 0;
     let mounted = super::umount::image_mounted_at(mountpoint)?;
     let same = |a: &Path, b: &Path| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
         (Ok(x), Ok(y)) => x == y,
@@ -78,7 +70,7 @@ pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Re
             image.display()
         );
     }
-    if !want.ro {
+    if !ro {
         let raw = crate::read_stats(mountpoint, birchfs::fuse::STATS_XATTR)?;
         let stats: serde_json::Value = serde_json::from_str(&raw).context("bad stats")?;
         if stats["readonly"] == serde_json::Value::Bool(true) {
@@ -90,7 +82,7 @@ pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Re
         }
     }
     let target = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
-    let flags = libc::MS_REMOUNT | want.flags | if want.ro { libc::MS_RDONLY } else { 0 };
+    let flags = libc::MS_REMOUNT | want;
     // SAFETY: a valid C string; no source, type or data, as a remount takes.
     let rc = unsafe {
         libc::mount(
@@ -108,7 +100,7 @@ pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Re
             std::io::Error::last_os_error()
         );
     }
-    if want.ro {
+    if ro {
         let done = crate::sync_cmd(mountpoint)
             .with_context(|| format!("{} is read-only now, but", mountpoint.display()))?;
         if done != std::process::ExitCode::SUCCESS {
@@ -137,23 +129,11 @@ mod tests {
             "ro,relatime,remount,user_id=0,group_id=0,default_permissions,allow_other,dev,suid",
         ))
         .unwrap();
-        assert_eq!(r, Remount { ro: true, flags: 0 });
+        assert_eq!(r, libc::MS_RDONLY);
         let r = parse(&opts("rw,nosuid,nodev,remount,cache_size=1G,noexec,exec")).unwrap();
-        assert_eq!(
-            r,
-            Remount {
-                ro: false,
-                flags: libc::MS_NOSUID | libc::MS_NODEV
-            }
-        );
+        assert_eq!(r, libc::MS_NOSUID | libc::MS_NODEV);
         let r = parse(&opts("remount,noatime,sync,ro,rw")).unwrap();
-        assert_eq!(
-            r,
-            Remount {
-                ro: false,
-                flags: libc::MS_NOATIME | libc::MS_SYNCHRONOUS
-            }
-        );
+        assert_eq!(r, libc::MS_NOATIME | libc::MS_SYNCHRONOUS);
     }
 
     #[test]
