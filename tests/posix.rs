@@ -3740,6 +3740,13 @@ fn cli(args: &[&std::ffi::OsStr]) -> std::process::Output {
     run(Command::new(BIN).args(args), Duration::from_secs(60))
 }
 
+/// Asserts that `birchfs check` finds the image at `img` clean.
+#[track_caller]
+fn check_clean(img: &Path) {
+    let out = cli(&["check".as_ref(), img.as_os_str()]);
+    assert!(out.status.success(), "check:\n{}", describe(&out));
+}
+
 /// A mount made by hand, unmounted (lazily) if a test fails with it still mounted.
 struct UnmountOnDrop(PathBuf);
 
@@ -3867,8 +3874,7 @@ fn an_image_inside_its_own_mount_point_mounts() {
         image_unlocked(&img),
         "the daemon did not let go of the image"
     );
-    let out = cli(&["check".as_ref(), img.as_os_str()]);
-    assert!(out.status.success(), "check:\n{}", describe(&out));
+    check_clean(&img);
     let out = cli(&["mount".as_ref(), img.as_os_str(), dir.as_os_str()]);
     let _again = UnmountOnDrop(dir.clone());
     assert!(out.status.success(), "mount:\n{}", describe(&out));
@@ -3881,8 +3887,7 @@ fn an_image_inside_its_own_mount_point_mounts() {
         image_unlocked(&img),
         "birchfs umount returned before the daemon ended"
     );
-    let out = cli(&["check".as_ref(), img.as_os_str()]);
-    assert!(out.status.success(), "check:\n{}", describe(&out));
+    check_clean(&img);
 }
 
 /// `birchfs umount` of one of two mounts of a filesystem (a bind mount of it, or the
@@ -3945,8 +3950,7 @@ fn birchfs_umount_of_a_bind_mount_leaves_the_other() {
         image_unlocked(&img),
         "the last unmount returned before the daemon ended"
     );
-    let out = cli(&["check".as_ref(), img.as_os_str()]);
-    assert!(out.status.success(), "check:\n{}", describe(&out));
+    check_clean(&img);
 }
 
 /// A command whose reader goes away (`birchfs snapshot list IMG | head -0`) ends
@@ -4000,8 +4004,7 @@ fn names_that_are_not_utf8_mount_sync_and_unmount() {
     let out = cli(&["umount".as_ref(), mnt.as_os_str()]);
     assert!(out.status.success(), "umount:\n{}", describe(&out));
     assert!(!is_mounted_at(&mnt));
-    let out = cli(&["check".as_ref(), img.as_os_str()]);
-    assert!(out.status.success(), "check:\n{}", describe(&out));
+    check_clean(&img);
 }
 
 /// An image and a loop device over it are one filesystem: while either is mounted,
