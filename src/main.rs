@@ -643,6 +643,29 @@ fn stats_table(json: &str) -> String {
     out
 }
 
+/// Makes a write past the file size limit (`ulimit -f`) fail with EFBIG instead of
+/// killing the process (SIGXFSZ), and with `raise`, lifts the limit as far as the hard
+/// limit allows, so that the commands that write an image can write all of it. The
+/// limit is meant for the files a user writes, which the kernel checks against the
+/// user's own limit; a daemon killed mid-commit by it would leave its mount dead.
+/// Opening an image larger than the hard limit is refused with the reason (see
+/// `FileDev::open`).
+fn lift_file_size_limit(raise: bool) {
+    // SAFETY: signal with a valid signal number and disposition; getrlimit and
+    // setrlimit with a valid resource and a pointer to a local rlimit.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        if !raise {
+            return;
+        }
+        let mut lim = std::mem::zeroed::<libc::rlimit>();
+        if libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+        }
+    }
+}
+
 fn run() -> Result<ExitCode> {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let command = Cli::command();
@@ -667,6 +690,9 @@ fn run() -> Result<ExitCode> {
         // SAFETY: signal with a valid signal number and disposition.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
+    // restore writes the user's own files, under the user's own limit; each one it
+    // stops short of is reported (EFBIG) and the rest are still restored.
+    lift_file_size_limit(!matches!(cli.cmd, Cmd::Restore { .. }));
     match cli.cmd {
         Cmd::Mkfs {
             size,

@@ -998,3 +998,58 @@ fn a_damaged_root_node_refuses_the_mount_and_restore_gets_the_files_back() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a directory"));
     assert_eq!(fs::read(&file).unwrap(), b"x");
 }
+
+/// A file size limit (`ulimit -f`) the mount starts under: a soft one is lifted, so
+/// the daemon writes the whole image (SIGXFSZ killed it at its first write past the
+/// limit, before the mount was even ready); a hard one below the image's size
+/// refuses the mount and says why.
+#[test]
+fn a_file_size_limit_is_lifted_for_the_image_or_refuses_the_mount() {
+    const MIB: u64 = 1 << 20;
+    let mut m = Mount::unmounted("256M");
+    m.set_file_size_limit(MIB, MIB);
+    let out = m.try_mount(&[]);
+    assert!(!out.status.success(), "mounted: {}", describe(&out));
+    assert!(!m.is_mounted());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ulimit -f"), "{err}");
+    m.set_file_size_limit(MIB, libc::RLIM_INFINITY);
+    m.mount();
+    let data = mib_data(8, 7);
+    let mut f = fs::File::create(m.path("f")).unwrap();
+    f.write_all(&data).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    m.unmount();
+    let out = m.check();
+    assert!(out.status.success(), "{}", describe(&out));
+    m.mount();
+    assert!(fs::read(m.path("f")).unwrap() == data, "f differs");
+    m.unmount();
+}
+
+/// restore under a file size limit writes every file it can and reports each one the
+/// limit stops, as not restored, without also putting it in lost+found.
+#[test]
+fn restore_reports_a_file_the_size_limit_stops_and_goes_on() {
+    let mut m = Mount::new();
+    fs::write(m.path("big"), mib_data(2, 3)).unwrap();
+    fs::write(m.path("small"), b"small").unwrap();
+    m.unmount();
+    let dest = m.host_dir().join("restored");
+    let mut cmd = Command::new(BIN);
+    cmd.arg("restore").arg(m.image()).arg(&dest);
+    limit_file_size(&mut cmd, 1 << 20, libc::RLIM_INFINITY);
+    let out = run(&mut cmd, Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let text = describe(&out);
+    assert!(
+        text.contains("big: cannot create: File too large"),
+        "{text}"
+    );
+    assert!(
+        text.contains("0 in lost+found") && !text.contains("no name left"),
+        "{text}"
+    );
+    assert_eq!(fs::read(dest.join("small")).unwrap(), b"small");
+}

@@ -56,9 +56,18 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
         }
         return Ok(());
     }
-    let _ = child.wait();
+    let status = child.wait().ok();
     let msg = msg.trim();
     if msg.is_empty() {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.and_then(|s| s.signal()) {
+            // SAFETY: strsignal returns a pointer to a static or thread-local string.
+            let name = unsafe { std::ffi::CStr::from_ptr(libc::strsignal(sig)) };
+            bail!(
+                "the mount daemon was killed by signal {sig} ({}) before the mount was ready",
+                name.to_string_lossy()
+            );
+        }
         bail!("the mount daemon exited before the mount was ready");
     }
     bail!("{msg}")

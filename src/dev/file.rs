@@ -101,6 +101,31 @@ impl Drop for Bounce {
     }
 }
 
+/// The process's file size limit (`ulimit -f`, RLIMIT_FSIZE) in bytes, if it has one.
+fn file_size_limit() -> Option<u64> {
+    // SAFETY: getrlimit with a valid resource and a pointer to a local rlimit.
+    let mut lim = unsafe { std::mem::zeroed::<libc::rlimit>() };
+    if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) } != 0
+        || lim.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    Some(lim.rlim_cur)
+}
+
+/// The error for an image of `size` bytes that the file size limit `limit` would cut
+/// short: every write past the limit would fail (EFBIG).
+fn too_large(path: &Path, size: u64, limit: u64) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::FileTooLarge,
+        format!(
+            "{} is {size} bytes, more than this process may write to a file (ulimit -f: \
+             {limit} bytes); raise the limit (ulimit -f unlimited) and try again",
+            path.display()
+        ),
+    )
+}
+
 thread_local! {
     static BOUNCE_BUF: std::cell::RefCell<Option<Bounce>> = const { std::cell::RefCell::new(None) };
 }
@@ -151,6 +176,11 @@ impl FileDev {
         } else {
             None
         };
+        if writable && !bdev {
+            if let Some(limit) = file_size_limit().filter(|&l| l < size) {
+                return Err(too_large(path, size, limit));
+            }
+        }
         if writable && bdev && read_only_bdev(&file) {
             // It opens for writing all the same, and every write fails (EPERM).
             return Err(io::Error::from_raw_os_error(libc::EROFS));
@@ -183,6 +213,9 @@ impl FileDev {
 
     /// Sets the length of an image file (not of a block device) to `len` bytes.
     pub fn resize(&mut self, len: u64) -> io::Result<()> {
+        if let Some(limit) = file_size_limit().filter(|&l| l < len) {
+            return Err(too_large(Path::new("the image"), len, limit));
+        }
         self.file.set_len(len)?;
         self.size = len;
         Ok(())

@@ -61,6 +61,8 @@ pub(super) struct Writer<'a> {
     names: Names,
     /// Inode -> where it was first written.
     placed: HashMap<u64, Name>,
+    /// Inodes a name reached but that could not be written there.
+    failed: HashSet<u64>,
     /// Directories made, in order, for their attributes at the end.
     dirs: Vec<(u64, Name)>,
     /// Directories whose entries are still to write.
@@ -88,6 +90,7 @@ impl<'a> Writer<'a> {
             rep,
             names: Names::default(),
             placed: HashMap::new(),
+            failed: HashSet::new(),
             dirs: Vec::new(),
             stack: Vec::new(),
             root: geteuid_is_root(),
@@ -142,7 +145,10 @@ impl<'a> Writer<'a> {
     fn lost_and_found(&mut self, dest: &Path) {
         let ns = self.ns;
         let lost = |w: &Self, ino: &u64| {
-            *ino != objectid::ROOT_DIR && !w.placed.contains_key(ino) && !ns.orphans.contains(ino)
+            *ino != objectid::ROOT_DIR
+                && !w.placed.contains_key(ino)
+                && !w.failed.contains(ino)
+                && !ns.orphans.contains(ino)
         };
         let lost_dirs: Vec<u64> = ns
             .inodes
@@ -268,9 +274,12 @@ impl<'a> Writer<'a> {
                     );
                 }
             }
-            Err(e) => self
-                .rep
-                .problem(format!("{}: cannot create: {e}", p.display())),
+            Err(e) => {
+                // Named, but not restored: not a lost inode to put in lost+found.
+                self.failed.insert(ino);
+                self.rep
+                    .problem(format!("{}: cannot create: {e}", p.display()))
+            }
         }
     }
 

@@ -101,6 +101,24 @@ fn spawn_and_wait(
     }
 }
 
+/// Starts `cmd` under a file size limit in bytes (RLIMIT_FSIZE, `ulimit -f`).
+pub fn limit_file_size(cmd: &mut Command, soft: u64, hard: u64) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setrlimit is async-signal-safe; the closure touches only its copies.
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 fn read_back(mut f: File) -> Vec<u8> {
     let mut v = Vec::new();
     if f.seek(SeekFrom::Start(0)).is_ok() {
@@ -274,6 +292,8 @@ pub struct Mount {
     daemon_env: Vec<(String, String)>,
     /// Whether later mounts log to `daemon.log` (`--log`) instead of nowhere.
     log: bool,
+    /// The file size limit (soft, hard) later mounts start under (`ulimit -f`).
+    file_size_limit: Option<(u64, u64)>,
 }
 
 impl Mount {
@@ -334,7 +354,13 @@ impl Mount {
             loop_dev: None,
             daemon_env: Vec::new(),
             log: false,
+            file_size_limit: None,
         }
+    }
+
+    /// Starts later mounts under a file size limit in bytes (`ulimit -f`), soft and hard.
+    pub fn set_file_size_limit(&mut self, soft: u64, hard: u64) {
+        self.file_size_limit = Some((soft, hard));
     }
 
     /// Sets an environment variable for the daemons of later mounts (a test hook).
@@ -464,6 +490,9 @@ impl Mount {
             cmd.arg("--log").arg(self.base.join("daemon.log"));
         }
         cmd.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
+        if let Some((soft, hard)) = self.file_size_limit {
+            limit_file_size(&mut cmd, soft, hard);
+        }
         let mut opts: Vec<&str> = opts.to_vec();
         let extra = extra_mount_options();
         opts.extend(extra.iter().map(|s| s.as_str()));
