@@ -29,7 +29,9 @@ pub mod skiplist;
 mod stats;
 mod txn;
 
-pub use cache::{default_cache_size, usable_memory, CacheOptions, MemoryPressure};
+pub use cache::{
+    default_cache_size, memory_limit_room, usable_memory, CacheOptions, MemoryPressure,
+};
 pub use error::{Error, Result};
 pub use fs::{
     check_snapshot_name, is_snapshot_ino, Attr, Creds, DirEntryOut, ExtentInfo, FallocMode,

@@ -552,9 +552,17 @@ fn init_logging(log: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-/// Opens the image, waiting up to 10 s while another process holds its lock: after
-/// `umount` the previous daemon still finishes its last commit before it lets go
-/// (used by every command that opens an image).
+/// Points a background daemon's stderr (/dev/null) at its log, so that what it
+/// cannot log itself still lands there: a panic's message, or the message of an
+/// allocation that failed before the process aborted.
+fn stderr_to(log: &Path) {
+    use std::os::fd::AsRawFd;
+    if let Ok(f) = std::fs::OpenOptions::new().append(true).open(log) {
+        // SAFETY: dup2 of a valid open fd onto fd 2; `f` is closed after, fd 2 stays.
+        unsafe { libc::dup2(f.as_raw_fd(), libc::STDERR_FILENO) };
+    }
+}
+
 /// Prints a report's problems, one per line, to stdout and its totals to stderr.
 fn print_report(problems: &[String], summary: &str) {
     for p in problems {
@@ -572,6 +580,9 @@ fn exit_for(problems: &[String]) -> ExitCode {
     }
 }
 
+/// Opens the image, waiting up to 10 s while another process holds its lock: after
+/// `umount` the previous daemon still finishes its last commit before it lets go
+/// (used by every command that opens an image).
 fn open_when_free(image: &Path, writable: bool) -> std::io::Result<FileDev> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -743,6 +754,9 @@ fn run() -> Result<ExitCode> {
                 cli::daemon::mount_background(&args)?;
             } else {
                 init_logging(log.as_deref())?;
+                if let (Some(l), Some(_)) = (&log, ready_fd) {
+                    stderr_to(l);
+                }
                 cli::daemon::mount(&options, &image, &mountpoint, ready_fd)?;
             }
         }

@@ -1007,13 +1007,13 @@ fn a_damaged_root_node_refuses_the_mount_and_restore_gets_the_files_back() {
 fn a_file_size_limit_is_lifted_for_the_image_or_refuses_the_mount() {
     const MIB: u64 = 1 << 20;
     let mut m = Mount::unmounted("256M");
-    m.set_file_size_limit(MIB, MIB);
+    m.set_rlimit(libc::RLIMIT_FSIZE, MIB, MIB);
     let out = m.try_mount(&[]);
     assert!(!out.status.success(), "mounted: {}", describe(&out));
     assert!(!m.is_mounted());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("ulimit -f"), "{err}");
-    m.set_file_size_limit(MIB, libc::RLIM_INFINITY);
+    m.set_rlimit(libc::RLIMIT_FSIZE, MIB, libc::RLIM_INFINITY);
     m.mount();
     let data = mib_data(8, 7);
     let mut f = fs::File::create(m.path("f")).unwrap();
@@ -1039,7 +1039,7 @@ fn restore_reports_a_file_the_size_limit_stops_and_goes_on() {
     let dest = m.host_dir().join("restored");
     let mut cmd = Command::new(BIN);
     cmd.arg("restore").arg(m.image()).arg(&dest);
-    limit_file_size(&mut cmd, 1 << 20, libc::RLIM_INFINITY);
+    set_rlimit(&mut cmd, libc::RLIMIT_FSIZE, 1 << 20, libc::RLIM_INFINITY);
     let out = run(&mut cmd, Duration::from_secs(60));
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
     let text = describe(&out);
@@ -1052,4 +1052,67 @@ fn restore_reports_a_file_the_size_limit_stops_and_goes_on() {
         "{text}"
     );
     assert_eq!(fs::read(dest.join("small")).unwrap(), b"small");
+}
+
+/// Under an address-space limit (`ulimit -v`) the default cache takes part of the room
+/// the limit leaves, so that a file larger than the limit is written and read back
+/// (a cache sized from the machine's memory took the daemon past the limit, and it
+/// aborted on an allocation).
+#[test]
+fn an_address_space_limit_sizes_the_cache_within_it() {
+    const LIMIT: u64 = 1 << 30;
+    let mut m = Mount::unmounted("3G");
+    m.set_rlimit(libc::RLIMIT_AS, LIMIT, libc::RLIM_INFINITY);
+    m.mount();
+    let limit = daemon_stats(&m)["cache"]["limit"].as_u64().unwrap();
+    assert!(limit <= LIMIT / 2, "cache limit {limit}");
+    let chunk = mib_data(16, 11);
+    let mut f = fs::File::create(m.path("f")).unwrap();
+    for _ in 0..80 {
+        f.write_all(&chunk).unwrap();
+    }
+    f.sync_all().unwrap();
+    drop(f);
+    // Read back through a fresh mount: through the daemon, not the kernel's cache.
+    m.unmount();
+    m.mount();
+    let mut f = fs::File::open(m.path("f")).unwrap();
+    let mut buf = vec![0; chunk.len()];
+    for i in 0..80 {
+        f.read_exact(&mut buf).unwrap();
+        assert!(buf == chunk, "chunk {i} differs");
+    }
+    drop(f);
+    m.unmount();
+}
+
+/// A daemon that dies of what it cannot log itself (an abort, as a failed allocation
+/// ends it) once mounted but before it reports ready leaves its message in its log,
+/// mount names the signal, and the dead mount is taken down (it stayed, answering
+/// ENOTCONN, until `birchfs umount`).
+#[test]
+fn a_daemon_that_aborts_before_ready_leaves_why_in_its_log_and_no_mount() {
+    let mut m = Mount::unmounted("256M");
+    m.log_to_file();
+    m.set_daemon_env("BIRCHFS_TEST_ABORT_BEFORE_READY", "1");
+    let out = m.try_mount(&[]);
+    assert!(!out.status.success(), "mounted: {}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("killed by signal 6"), "{err}");
+    assert!(!is_mounted_at(m.root()), "the dead mount stayed");
+    let log = m.daemon_log();
+    assert!(log.contains("test hook: aborting"), "log: {log}");
+}
+
+/// Under a tight `ulimit -v` the mount is refused up front with the figures, instead
+/// of a daemon that aborts on an allocation once mounted.
+#[test]
+fn too_tight_an_address_space_limit_refuses_the_mount() {
+    let mut m = Mount::unmounted("256M");
+    m.set_rlimit(libc::RLIMIT_AS, 100 << 20, libc::RLIM_INFINITY);
+    let out = m.try_mount(&[]);
+    assert!(!out.status.success(), "mounted: {}", describe(&out));
+    assert!(!m.is_mounted());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("too little memory to mount"), "{err}");
 }

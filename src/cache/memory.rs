@@ -1,12 +1,14 @@
-//! How much memory the daemon may use (physical memory, or its cgroup's limit), and
-//! whether the system is short of it (pressure stall information), for sizing the
-//! caches and shrinking them under pressure.
+//! How much memory the daemon may use (physical memory, its cgroup's limit, or what
+//! its address-space and data limits leave), and whether the system is short of it
+//! (pressure stall information), for sizing the caches and shrinking them under
+//! pressure.
 
 use std::sync::OnceLock;
 use std::time::Instant;
 
 /// The memory this process may use: physical memory, or its cgroup's limit when
-/// lower (as in a container). Read once per process.
+/// lower (as in a container), or half of what `ulimit -v` or `-d` leaves (see
+/// [`memory_limit_room`]). Read once per process.
 pub fn usable_memory() -> u64 {
     static USABLE: OnceLock<u64> = OnceLock::new();
     *USABLE.get_or_init(|| {
@@ -23,8 +25,48 @@ pub fn usable_memory() -> u64 {
             1 << 30
         };
         let read = |p: &str| std::fs::read_to_string(p).ok();
-        cgroup_memory_limit(&read).map_or(ram, |l| l.min(ram))
+        let limited = cgroup_memory_limit(&read).map_or(ram, |l| l.min(ram));
+        memory_limit_room().map_or(limited, |r| (r / 2).min(limited))
     })
+}
+
+/// What the address-space and data limits (`ulimit -v`, `ulimit -d`) leave above what
+/// this process maps now, `None` without such a limit. Past it the process cannot
+/// allocate at all: a cache sized beyond it would abort at its first large allocation.
+/// [`usable_memory`] takes half, the other half kept for thread stacks, allocator
+/// arenas and the rest of the process.
+pub fn memory_limit_room() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    limit_room(
+        &status,
+        soft_limit(libc::RLIMIT_AS),
+        soft_limit(libc::RLIMIT_DATA),
+    )
+}
+
+/// The soft limit of `resource`, `None` when there is none.
+fn soft_limit(resource: libc::__rlimit_resource_t) -> Option<u64> {
+    // SAFETY: getrlimit with a valid resource and a pointer to a local rlimit.
+    let mut lim = unsafe { std::mem::zeroed::<libc::rlimit>() };
+    let rc = unsafe { libc::getrlimit(resource, &mut lim) };
+    (rc == 0 && lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
+}
+
+/// The room the address-space and data limits leave above the sizes `status` (the
+/// text of /proc/self/status) gives (`VmSize`, `VmData`).
+fn limit_room(status: &str, address_space: Option<u64>, data: Option<u64>) -> Option<u64> {
+    let kib = |field: &str| {
+        status.lines().find_map(|l| {
+            let v = l.strip_prefix(field)?.trim().strip_suffix("kB")?;
+            v.trim().parse::<u64>().ok().map(|k| k << 10)
+        })
+    };
+    let room =
+        |limit: Option<u64>, field: &str| limit.map(|l| l.saturating_sub(kib(field).unwrap_or(0)));
+    match (room(address_space, "VmSize:"), room(data, "VmData:")) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 /// The memory limit of this process's cgroup (and its ancestors), `None` when there
@@ -164,6 +206,23 @@ mod tests {
     /// The cgroup memory limit is found for v2 (the lowest on the way up, "max" none),
     /// for v1 (memory.stat's hierarchical limit, at the first directory that exists),
     /// and is none without one.
+    #[test]
+    fn address_space_and_data_limits_leave_room_above_what_is_mapped() {
+        let status =
+            "Name:\tbirchfs\nVmPeak:\t  20000 kB\nVmSize:\t  10240 kB\nVmData:\t   2048 kB\n";
+        assert_eq!(limit_room(status, None, None), None);
+        assert_eq!(limit_room(status, Some(300 << 20), None), Some(290 << 20));
+        assert_eq!(limit_room(status, None, Some(100 << 20)), Some(98 << 20));
+        assert_eq!(
+            limit_room(status, Some(300 << 20), Some(100 << 20)),
+            Some(98 << 20)
+        );
+        // Already over the limit: nothing left.
+        assert_eq!(limit_room(status, Some(1 << 20), None), Some(0));
+        // No status to read: the whole limit is room.
+        assert_eq!(limit_room("", Some(64 << 20), None), Some(64 << 20));
+    }
+
     #[test]
     fn the_cgroup_memory_limit_is_read_for_v1_and_v2() {
         use std::collections::HashMap;

@@ -57,6 +57,9 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
         return Ok(());
     }
     let status = child.wait().ok();
+    if let [.., image, mountpoint] = args {
+        clear_dead_mount(Path::new(image), Path::new(mountpoint));
+    }
     let msg = msg.trim();
     if msg.is_empty() {
         use std::os::unix::process::ExitStatusExt;
@@ -71,6 +74,40 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
         bail!("the mount daemon exited before the mount was ready");
     }
     bail!("{msg}")
+}
+
+/// Takes down the mount of `image` at `mountpoint` if its daemon died (an abort
+/// between mounting and reporting ready): a failed mount leaves nothing behind.
+fn clear_dead_mount(image: &Path, mountpoint: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(info) = std::fs::read("/proc/self/mountinfo") else {
+        return;
+    };
+    let Some(mounted) = super::umount::mounted_image(&info, mountpoint) else {
+        return;
+    };
+    let same = std::fs::canonicalize(&mounted).ok() == std::fs::canonicalize(image).ok();
+    let dead = matches!(
+        std::fs::metadata(mountpoint).map_err(|e| e.raw_os_error()),
+        Err(Some(libc::ENOTCONN | libc::ECONNABORTED))
+    );
+    if !same || !dead {
+        return;
+    }
+    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
+        return;
+    };
+    // SAFETY: umount2 on a valid C string.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+        // Not root: the setuid helper unmounts what its user mounted.
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg("-z")
+            .arg(mountpoint)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
 }
 
 /// Serves the mount in this process until it is unmounted, reporting readiness (or
@@ -100,6 +137,10 @@ pub(crate) fn mount(
 
 /// Set in a daemon's environment, memory counts as short half of the time (tests).
 const MEMORY_SHORT_HOOK: &str = "BIRCHFS_TEST_MEMORY_SHORT";
+
+/// Set in a daemon's environment, it aborts once mounted, before it reports the mount
+/// ready, as a failed allocation would end it (tests).
+const ABORT_HOOK: &str = "BIRCHFS_TEST_ABORT_BEFORE_READY";
 
 fn mount_serve(
     opts: &[String],
@@ -299,6 +340,10 @@ fn mount_serve(
                 SECOND
             }
         })?;
+    }
+    if std::env::var_os(ABORT_HOOK).is_some() {
+        eprintln!("test hook: aborting before the mount is ready");
+        std::process::abort();
     }
     if let Some(mut f) = ready.take() {
         let mut msg = String::from("ok\n");

@@ -130,6 +130,7 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             .filter(|n| (1..=max).contains(n))
             .ok_or_else(|| anyhow!("bad value in mount option '{opt}' (1 to {max})"))
     };
+    let mut cache_given = false;
     for opt in list.iter().filter(|s| !s.is_empty()) {
         match opt.split_once('=') {
             Some(("commit", v)) => {
@@ -140,7 +141,8 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             }
             Some(("cache_size", v)) => {
                 o.fs.cache.cache_size =
-                    parse_size(v).with_context(|| format!("in mount option '{opt}'"))?
+                    parse_size(v).with_context(|| format!("in mount option '{opt}'"))?;
+                cache_given = true;
             }
             Some(("folio_size", v)) => {
                 o.fs.cache.folio_size =
@@ -221,17 +223,95 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
     if o.fs.cache.cache_size > usable {
         bail!(
             "cache_size={} is more than the memory this daemon may use ({} MiB: the \
-             machine's, or its cgroup's limit)",
+             machine's, its cgroup's limit, or half of what ulimit -v or -d leaves)",
             o.fs.cache.cache_size,
             usable >> 20
         );
     }
+    if let Some(room) = birchfs::memory_limit_room() {
+        o.fs.cache.cache_size =
+            fit_memory_limit(room, o.threads, o.fs.cache.cache_size, cache_given)?;
+    }
     Ok(o)
+}
+
+/// Address space a daemon with `threads` request threads takes besides its cache:
+/// measured 99 MiB (allocator arenas, the other threads' stacks, the program) and
+/// 18.5 MiB more for each request thread (its stack and its 16 MiB request buffer).
+fn daemon_overhead(threads: usize) -> u64 {
+    (100 << 20) + threads as u64 * (19 << 20)
+}
+
+/// Smallest cache a daemon under `ulimit -v` or `-d` is given.
+const MIN_LIMITED_CACHE: u64 = 16 << 20;
+
+/// The cache size for a daemon that `ulimit -v` or `-d` leaves `room` bytes: the daemon's
+/// own needs first, then at most half of the rest for a default cache; an error when
+/// that is too little, or when a `given` cache_size does not fit (the daemon would
+/// abort at the first allocation past the limit).
+fn fit_memory_limit(room: u64, threads: usize, cache: u64, given: bool) -> Result<u64> {
+    let need = daemon_overhead(threads);
+    let spare = room.saturating_sub(need);
+    let what = || {
+        format!(
+            "ulimit -v or -d leaves this daemon {} MiB, and it takes {} MiB besides its \
+             cache with threads={threads}",
+            room >> 20,
+            need >> 20
+        )
+    };
+    if given {
+        if cache > spare {
+            bail!(
+                "cache_size={cache} does not fit: {}; raise the limit or lower cache_size",
+                what()
+            );
+        }
+        return Ok(cache);
+    }
+    if spare / 2 < MIN_LIMITED_CACHE {
+        bail!(
+            "too little memory to mount: {}, and at least {} MiB for the cache; raise the \
+             limit (or lower threads=)",
+            what(),
+            (2 * MIN_LIMITED_CACHE) >> 20
+        );
+    }
+    Ok(cache.min(spare / 2))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_memory_limit_leaves_the_daemon_its_needs_and_the_cache_half_the_rest() {
+        const MIB: u64 = 1 << 20;
+        let need = daemon_overhead(2);
+        // A default cache is cut to half of what is left after the daemon's needs.
+        assert_eq!(
+            fit_memory_limit(need + 200 * MIB, 2, 3 << 30, false).unwrap(),
+            100 * MIB
+        );
+        // A smaller default stays.
+        assert_eq!(
+            fit_memory_limit(need + 200 * MIB, 2, 64 * MIB, false).unwrap(),
+            64 * MIB
+        );
+        // Too little left: refused, with the figures.
+        let e = fit_memory_limit(need + 20 * MIB, 2, 3 << 30, false).unwrap_err();
+        assert!(e.to_string().contains("too little memory"), "{e}");
+        // More threads need more.
+        assert!(fit_memory_limit(need + 40 * MIB, 2, 3 << 30, false).is_ok());
+        assert!(fit_memory_limit(need + 40 * MIB, 8, 3 << 30, false).is_err());
+        // A given cache_size must fit whole.
+        assert_eq!(
+            fit_memory_limit(need + 200 * MIB, 2, 150 * MIB, true).unwrap(),
+            150 * MIB
+        );
+        let e = fit_memory_limit(need + 200 * MIB, 2, 300 * MIB, true).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+    }
 
     fn parse(s: &str) -> Result<MountOpts> {
         parse_mount_options(&s.split(',').map(String::from).collect::<Vec<_>>())

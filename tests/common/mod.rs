@@ -101,8 +101,8 @@ fn spawn_and_wait(
     }
 }
 
-/// Starts `cmd` under a file size limit in bytes (RLIMIT_FSIZE, `ulimit -f`).
-pub fn limit_file_size(cmd: &mut Command, soft: u64, hard: u64) {
+/// Starts `cmd` under a resource limit (`ulimit`), soft and hard.
+pub fn set_rlimit(cmd: &mut Command, resource: libc::__rlimit_resource_t, soft: u64, hard: u64) {
     use std::os::unix::process::CommandExt;
     // SAFETY: setrlimit is async-signal-safe; the closure touches only its copies.
     unsafe {
@@ -111,7 +111,7 @@ pub fn limit_file_size(cmd: &mut Command, soft: u64, hard: u64) {
                 rlim_cur: soft,
                 rlim_max: hard,
             };
-            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+            if libc::setrlimit(resource, &lim) != 0 {
                 return Err(io::Error::last_os_error());
             }
             Ok(())
@@ -292,8 +292,8 @@ pub struct Mount {
     daemon_env: Vec<(String, String)>,
     /// Whether later mounts log to `daemon.log` (`--log`) instead of nowhere.
     log: bool,
-    /// The file size limit (soft, hard) later mounts start under (`ulimit -f`).
-    file_size_limit: Option<(u64, u64)>,
+    /// Resource limits (resource, soft, hard) later mounts start under (`ulimit`).
+    rlimits: Vec<(libc::__rlimit_resource_t, u64, u64)>,
 }
 
 impl Mount {
@@ -354,13 +354,15 @@ impl Mount {
             loop_dev: None,
             daemon_env: Vec::new(),
             log: false,
-            file_size_limit: None,
+            rlimits: Vec::new(),
         }
     }
 
-    /// Starts later mounts under a file size limit in bytes (`ulimit -f`), soft and hard.
-    pub fn set_file_size_limit(&mut self, soft: u64, hard: u64) {
-        self.file_size_limit = Some((soft, hard));
+    /// Starts later mounts under a resource limit (`ulimit`: RLIMIT_FSIZE, RLIMIT_AS,
+    /// ...), soft and hard, in place of any set before for it.
+    pub fn set_rlimit(&mut self, resource: libc::__rlimit_resource_t, soft: u64, hard: u64) {
+        self.rlimits.retain(|r| r.0 != resource);
+        self.rlimits.push((resource, soft, hard));
     }
 
     /// Sets an environment variable for the daemons of later mounts (a test hook).
@@ -490,8 +492,8 @@ impl Mount {
             cmd.arg("--log").arg(self.base.join("daemon.log"));
         }
         cmd.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
-        if let Some((soft, hard)) = self.file_size_limit {
-            limit_file_size(&mut cmd, soft, hard);
+        for &(resource, soft, hard) in &self.rlimits {
+            set_rlimit(&mut cmd, resource, soft, hard);
         }
         let mut opts: Vec<&str> = opts.to_vec();
         let extra = extra_mount_options();
