@@ -267,7 +267,8 @@ fn mount_serve(
                     tracing::error!("unmount on signal failed: {e}");
                 }
             }
-        })?;
+        })
+        .context("cannot start the signals thread")?;
     const NOW: Duration = Duration::ZERO;
     const SECOND: Duration = Duration::from_secs(1);
     const READAHEAD_THREADS: usize = 3;
@@ -512,6 +513,9 @@ fn spawn_while_mounted(
                 let Some(fs) = weak.upgrade() else { break };
                 pause = step(&fs);
             }
+        })
+        .map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot start the {name} thread: {e}"))
         })?;
     Ok(())
 }
