@@ -4470,6 +4470,46 @@ fn birchfs_umount_leaves_a_mount_whose_image_it_cannot_open() {
     assert!(image_unlocked(m.image()));
 }
 
+/// An image deleted while mounted: `birchfs umount` unmounts nothing (that would lose
+/// the image and all it holds) and names the daemon's descriptor of it, and the way out
+/// it gives (remount read-only, copy from there, unmount) gets the image back whole.
+#[test]
+fn birchfs_umount_keeps_a_mount_whose_image_was_deleted_and_says_how_to_save_it() {
+    let mut m = Mount::new();
+    fs::write(m.path("f"), b"kept").unwrap();
+    fs::remove_file(m.image()).unwrap();
+    let out = m.birchfs_umount();
+    fails_saying(
+        &out,
+        "was deleted while mounted",
+        "umount of a deleted image",
+    );
+    assert!(is_mounted_at(m.root()), "unmounted a deleted image");
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    let held = err
+        .split_whitespace()
+        .find(|w| w.starts_with("/proc/"))
+        .map(|w| w.trim_end_matches(['.', ',']))
+        .unwrap_or_else(|| panic!("no /proc path in: {err}"))
+        .to_owned();
+    let remount = cli(&[
+        "mount".as_ref(),
+        "-o".as_ref(),
+        "remount,ro".as_ref(),
+        m.image().as_os_str(),
+        m.root().as_os_str(),
+    ]);
+    assert!(remount.status.success(), "{}", describe(&remount));
+    fs::copy(&held, m.image()).unwrap();
+    let out = m.birchfs_umount();
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(!is_mounted_at(m.root()));
+    check_clean(m.image());
+    m.mount();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
+    m.unmount();
+}
+
 /// FITRIM on the mount (what `fstrim` does), with `start`, `len` and `minlen`: the
 /// bytes trimmed, or the errno.
 fn fitrim(dir: &Path, start: u64, len: u64, min_len: u64) -> Result<u64, i32> {

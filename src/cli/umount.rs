@@ -275,35 +275,59 @@ fn open_image(image: &Path, mountpoint: &Path) -> Result<std::fs::File> {
     }
     match std::fs::File::open(image) {
         Ok(f) => Ok(f),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(held) = held_deleted(image) {
+                bail!(
+                    "{} was deleted while mounted, and unmounting would lose it and all it \
+                     holds; its daemon still has it open as {}. To keep it: `mount -o \
+                     remount,ro {}` (which commits), then `cp {} {}`, then unmount. `umount \
+                     {}` lets it go",
+                    image.display(),
+                    held.display(),
+                    mountpoint.display(),
+                    held.display(),
+                    image.display(),
+                    mountpoint.display()
+                );
+            }
+            reopen_from_daemon(image).ok_or(e).map_err(Into::into)
+        }
         Err(e) => reopen_from_daemon(image).ok_or(e).map_err(Into::into),
     }
+}
+
+/// `/proc/PID/fd/N` of a process that holds `image` open after it was deleted (its
+/// daemon).
+fn held_deleted(image: &Path) -> Option<PathBuf> {
+    let mut gone = image.as_os_str().to_owned();
+    gone.push(" (deleted)");
+    open_fds()
+        .find(|(_, target)| *target == gone)
+        .map(|(fd, _)| fd)
+}
+
+/// Every open descriptor of every process this one may look at: its /proc path and
+/// what it names.
+fn open_fds() -> impl Iterator<Item = (PathBuf, PathBuf)> {
+    let procs = std::fs::read_dir("/proc").into_iter().flatten().flatten();
+    procs
+        .filter(|p| {
+            p.file_name()
+                .as_encoded_bytes()
+                .iter()
+                .all(u8::is_ascii_digit)
+        })
+        .filter_map(|p| std::fs::read_dir(p.path().join("fd")).ok())
+        .flat_map(|fds| fds.flatten())
+        .filter_map(|fd| Some((fd.path(), std::fs::read_link(fd.path()).ok()?)))
 }
 
 /// `image` reopened through `/proc/PID/fd` of a process that has it open by that path
 /// (its daemon).
 fn reopen_from_daemon(image: &Path) -> Option<std::fs::File> {
-    let procs = std::fs::read_dir("/proc").ok()?;
-    for p in procs.flatten() {
-        if !p
-            .file_name()
-            .as_encoded_bytes()
-            .iter()
-            .all(u8::is_ascii_digit)
-        {
-            continue;
-        }
-        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
-            continue;
-        };
-        for fd in fds.flatten() {
-            if std::fs::read_link(fd.path()).is_ok_and(|t| t == image) {
-                if let Ok(f) = std::fs::File::open(fd.path()) {
-                    return Some(f);
-                }
-            }
-        }
-    }
-    None
+    open_fds()
+        .filter(|(_, target)| target == image)
+        .find_map(|(fd, _)| std::fs::File::open(fd).ok())
 }
 
 /// Longest `birchfs umount` waits for the sync it runs first; past it, it unmounts and
