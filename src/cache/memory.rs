@@ -203,9 +203,6 @@ fn psi_some_total(text: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
-    /// The cgroup memory limit is found for v2 (the lowest on the way up, "max" none),
-    /// for v1 (memory.stat's hierarchical limit, at the first directory that exists),
-    /// and is none without one.
     #[test]
     fn address_space_and_data_limits_leave_room_above_what_is_mapped() {
         let status =
@@ -223,6 +220,9 @@ mod tests {
         assert_eq!(limit_room("", Some(64 << 20), None), Some(64 << 20));
     }
 
+    /// The cgroup memory limit is found for v2 (the lowest on the way up, "max" none),
+    /// for v1 (memory.stat's hierarchical limit, at the first directory that exists),
+    /// and is none without one.
     #[test]
     fn the_cgroup_memory_limit_is_read_for_v1_and_v2() {
         use std::collections::HashMap;
