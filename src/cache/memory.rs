@@ -39,17 +39,9 @@ pub fn memory_limit_room() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     limit_room(
         &status,
-        soft_limit(libc::RLIMIT_AS),
-        soft_limit(libc::RLIMIT_DATA),
+        crate::dev::soft_limit(libc::RLIMIT_AS),
+        crate::dev::soft_limit(libc::RLIMIT_DATA),
     )
-}
-
-/// The soft limit of `resource`, `None` when there is none.
-fn soft_limit(resource: libc::__rlimit_resource_t) -> Option<u64> {
-    // SAFETY: getrlimit with a valid resource and a pointer to a local rlimit.
-    let mut lim = unsafe { std::mem::zeroed::<libc::rlimit>() };
-    let rc = unsafe { libc::getrlimit(resource, &mut lim) };
-    (rc == 0 && lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
 }
 
 /// The room the address-space and data limits leave above the sizes `status` (the

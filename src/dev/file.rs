@@ -101,16 +101,9 @@ impl Drop for Bounce {
     }
 }
 
-/// The process's file size limit (`ulimit -f`, RLIMIT_FSIZE) in bytes, if it has one.
+/// The process's file size limit (`ulimit -f`) in bytes, if it has one.
 fn file_size_limit() -> Option<u64> {
-    // SAFETY: getrlimit with a valid resource and a pointer to a local rlimit.
-    let mut lim = unsafe { std::mem::zeroed::<libc::rlimit>() };
-    if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) } != 0
-        || lim.rlim_cur == libc::RLIM_INFINITY
-    {
-        return None;
-    }
-    Some(lim.rlim_cur)
+    super::soft_limit(libc::RLIMIT_FSIZE)
 }
 
 /// The error for an image of `size` bytes that the file size limit `limit` would cut

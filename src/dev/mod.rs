@@ -12,6 +12,15 @@ pub use mem::{MemDev, DISCARDED};
 
 use std::io;
 
+/// The soft limit of `resource` (`ulimit`: RLIMIT_FSIZE, RLIMIT_AS, ...), `None` when
+/// there is none.
+pub(crate) fn soft_limit(resource: libc::__rlimit_resource_t) -> Option<u64> {
+    // SAFETY: getrlimit with a valid resource and a pointer to a local rlimit.
+    let mut lim = unsafe { std::mem::zeroed::<libc::rlimit>() };
+    let rc = unsafe { libc::getrlimit(resource, &mut lim) };
+    (rc == 0 && lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur)
+}
+
 /// Writes zeros over `len` bytes of `dev` at `start`, in large pieces in flight
 /// together (mkfs over the log area; `mkfs --preallocate` over a whole image), so a
 /// sparse image has those blocks allocated before any fsync needs them.
