@@ -209,7 +209,16 @@ impl FileDev {
         if let Some(limit) = file_size_limit().filter(|&l| l < len) {
             return Err(too_large(Path::new("the image"), len, limit));
         }
-        self.file.set_len(len)?;
+        self.file.set_len(len).map_err(|e| match e.raw_os_error() {
+            Some(libc::EFBIG) => io::Error::new(
+                io::ErrorKind::FileTooLarge,
+                format!(
+                    "the host filesystem holds no file of {} GiB ({e})",
+                    len.div_ceil(1 << 30)
+                ),
+            ),
+            _ => e,
+        })?;
         self.size = len;
         Ok(())
     }
