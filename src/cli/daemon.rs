@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +45,20 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
             Ok(())
         });
     }
+    // What is mounted there now, so that a dead mount left by this attempt can be
+    // told from one that was there before (which stays for `birchfs umount`).
+    let target = args.last().map(|m| {
+        let m = Path::new(m);
+        std::fs::canonicalize(m).unwrap_or_else(|_| m.to_path_buf())
+    });
+    let top_before = |info: &[u8]| {
+        target
+            .as_deref()
+            .and_then(|m| super::umount::top_mount(info, m))
+    };
+    let before = std::fs::read("/proc/self/mountinfo")
+        .ok()
+        .and_then(|i| top_before(&i));
     let mut child = cmd.spawn().context("cannot start the mount daemon")?;
     drop(wr);
     let mut msg = String::new();
@@ -57,8 +71,8 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
         return Ok(());
     }
     let status = child.wait().ok();
-    if let [.., image, mountpoint] = args {
-        clear_dead_mount(Path::new(image), Path::new(mountpoint));
+    if let ([.., image, _], Some(target)) = (args, &target) {
+        clear_dead_mount(Path::new(image), target, before);
     }
     let msg = msg.trim();
     if msg.is_empty() {
@@ -77,15 +91,19 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
 }
 
 /// Takes down the mount of `image` at `mountpoint` if its daemon died (an abort
-/// between mounting and reporting ready): a failed mount leaves nothing behind.
-fn clear_dead_mount(image: &Path, mountpoint: &Path) {
+/// between mounting and reporting ready) and it is not the mount that was on top there
+/// `before`: a failed mount leaves nothing behind.
+fn clear_dead_mount(image: &Path, mountpoint: &Path, before: Option<(Vec<u8>, Option<PathBuf>)>) {
     use std::os::unix::ffi::OsStrExt;
     let Ok(info) = std::fs::read("/proc/self/mountinfo") else {
         return;
     };
-    let Some(mounted) = super::umount::mounted_image(&info, mountpoint) else {
+    let Some((dev, Some(mounted))) = super::umount::top_mount(&info, mountpoint) else {
         return;
     };
+    if before.is_some_and(|(d, _)| d == dev) {
+        return;
+    }
     let same = std::fs::canonicalize(&mounted).ok() == std::fs::canonicalize(image).ok();
     let dead = matches!(
         std::fs::metadata(mountpoint).map_err(|e| e.raw_os_error()),

@@ -75,13 +75,19 @@ pub(crate) fn birchfs_mount_holding(mountinfo: &[u8], path: &Path) -> Option<Pat
     (deepest.image.is_some() && deepest.point != path).then_some(deepest.point)
 }
 
-/// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked).
-pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
+/// The device number ("major:minor") and image (for a birchfs) of the top mount at
+/// `mountpoint`: each FUSE mount has a device number of its own.
+pub(crate) fn top_mount(mountinfo: &[u8], mountpoint: &Path) -> Option<(Vec<u8>, Option<PathBuf>)> {
     // The last mount on the path is the one on top, which an unmount would remove.
     mounts(mountinfo)
         .rev()
-        .find(|m| m.point == mountpoint)?
-        .image
+        .find(|m| m.point == mountpoint)
+        .map(|m| (m.dev, m.image))
+}
+
+/// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked).
+pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
+    top_mount(mountinfo, mountpoint)?.1
 }
 
 /// The other places the filesystem mounted (on top) at `mountpoint` is mounted too:
