@@ -71,7 +71,7 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
         return Ok(());
     }
     let status = child.wait().ok();
-    if let ([.., image, _], Some(target)) = (args, &target) {
+    if let ([.., image, _], Some(target), Some(_)) = (args, &target, status) {
         clear_dead_mount(Path::new(image), target, before);
     }
     let msg = msg.trim();
@@ -90,9 +90,9 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
     bail!("{msg}")
 }
 
-/// Takes down the mount of `image` at `mountpoint` if its daemon died (an abort
-/// between mounting and reporting ready) and it is not the mount that was on top there
-/// `before`: a failed mount leaves nothing behind.
+/// Takes down the mount of `image` at `mountpoint` that a daemon which has exited made
+/// (an abort between mounting and reporting ready), unless it is the mount that was on
+/// top there `before`: a failed mount leaves nothing behind.
 fn clear_dead_mount(image: &Path, mountpoint: &Path, before: Option<(Vec<u8>, Option<PathBuf>)>) {
     use std::os::unix::ffi::OsStrExt;
     let Ok(info) = std::fs::read("/proc/self/mountinfo") else {
@@ -104,12 +104,11 @@ fn clear_dead_mount(image: &Path, mountpoint: &Path, before: Option<(Vec<u8>, Op
     if before.is_some_and(|(d, _)| d == dev) {
         return;
     }
-    let same = std::fs::canonicalize(&mounted).ok() == std::fs::canonicalize(image).ok();
-    let dead = matches!(
-        std::fs::metadata(mountpoint).map_err(|e| e.raw_os_error()),
-        Err(Some(libc::ENOTCONN | libc::ECONNABORTED))
-    );
-    if !same || !dead {
+    // A mount of this image made since the attempt began is its daemon's (the image's
+    // lock lets one daemon at a time hold it), and that daemon has exited. Its state is
+    // not asked: a stat of the mount point may still be answered from the kernel's
+    // cache.
+    if std::fs::canonicalize(&mounted).ok() != std::fs::canonicalize(image).ok() {
         return;
     }
     let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
