@@ -229,8 +229,16 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
         );
     }
     if let Some(room) = birchfs::memory_limit_room() {
-        o.fs.cache.cache_size =
-            fit_memory_limit(room, o.threads, o.fs.cache.cache_size, cache_given)?;
+        // Each CPU's io_uring queue has its threads: a 2 MiB stack and a 1 MiB payload
+        // for each ring entry.
+        let ring = if o.uring == UringMode::Off {
+            0
+        } else {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+            cpus * o.ring.threads as u64 * ((2 << 20) + o.ring.depth as u64 * (1 << 20))
+        };
+        let need = daemon_overhead(o.threads) + ring;
+        o.fs.cache.cache_size = fit_memory_limit(room, need, o.fs.cache.cache_size, cache_given)?;
     }
     Ok(o)
 }
@@ -245,17 +253,16 @@ fn daemon_overhead(threads: usize) -> u64 {
 /// Smallest cache a daemon under `ulimit -v` or `-d` is given.
 const MIN_LIMITED_CACHE: u64 = 16 << 20;
 
-/// The cache size for a daemon that `ulimit -v` or `-d` leaves `room` bytes: the daemon's
-/// own needs first, then at most half of the rest for a default cache; an error when
-/// that is too little, or when a `given` cache_size does not fit (the daemon would
-/// abort at the first allocation past the limit).
-fn fit_memory_limit(room: u64, threads: usize, cache: u64, given: bool) -> Result<u64> {
-    let need = daemon_overhead(threads);
+/// The cache size for a daemon that `ulimit -v` or `-d` leaves `room` bytes and that
+/// needs `need` of them besides its cache: at most half of the rest for a default
+/// cache; an error when that is too little, or when a `given` cache_size does not fit
+/// (the daemon would abort at the first allocation past the limit).
+fn fit_memory_limit(room: u64, need: u64, cache: u64, given: bool) -> Result<u64> {
     let spare = room.saturating_sub(need);
     let what = || {
         format!(
             "ulimit -v or -d leaves this daemon {} MiB, and it takes {} MiB besides its \
-             cache with threads={threads}",
+             cache (its threads, their buffers, its allocator)",
             room >> 20,
             need >> 20
         )
@@ -272,7 +279,7 @@ fn fit_memory_limit(room: u64, threads: usize, cache: u64, given: bool) -> Resul
     if spare / 2 < MIN_LIMITED_CACHE {
         bail!(
             "too little memory to mount: {}, and at least {} MiB for the cache; raise the \
-             limit (or lower threads=)",
+             limit (or lower threads= or uring_threads=)",
             what(),
             (2 * MIN_LIMITED_CACHE) >> 20
         );
@@ -290,26 +297,26 @@ mod tests {
         let need = daemon_overhead(2);
         // A default cache is cut to half of what is left after the daemon's needs.
         assert_eq!(
-            fit_memory_limit(need + 200 * MIB, 2, 3 << 30, false).unwrap(),
+            fit_memory_limit(need + 200 * MIB, need, 3 << 30, false).unwrap(),
             100 * MIB
         );
         // A smaller default stays.
         assert_eq!(
-            fit_memory_limit(need + 200 * MIB, 2, 64 * MIB, false).unwrap(),
+            fit_memory_limit(need + 200 * MIB, need, 64 * MIB, false).unwrap(),
             64 * MIB
         );
         // Too little left: refused, with the figures.
-        let e = fit_memory_limit(need + 20 * MIB, 2, 3 << 30, false).unwrap_err();
+        let e = fit_memory_limit(need + 20 * MIB, need, 3 << 30, false).unwrap_err();
         assert!(e.to_string().contains("too little memory"), "{e}");
         // More threads need more.
-        assert!(fit_memory_limit(need + 40 * MIB, 2, 3 << 30, false).is_ok());
-        assert!(fit_memory_limit(need + 40 * MIB, 8, 3 << 30, false).is_err());
+        assert!(daemon_overhead(8) > need + 40 * MIB);
+        assert!(fit_memory_limit(need + 40 * MIB, daemon_overhead(8), 3 << 30, false).is_err());
         // A given cache_size must fit whole.
         assert_eq!(
-            fit_memory_limit(need + 200 * MIB, 2, 150 * MIB, true).unwrap(),
+            fit_memory_limit(need + 200 * MIB, need, 150 * MIB, true).unwrap(),
             150 * MIB
         );
-        let e = fit_memory_limit(need + 200 * MIB, 2, 300 * MIB, true).unwrap_err();
+        let e = fit_memory_limit(need + 200 * MIB, need, 300 * MIB, true).unwrap_err();
         assert!(e.to_string().contains("does not fit"), "{e}");
     }
 
