@@ -122,6 +122,16 @@ impl Allocator {
         self.free.insert(start, len);
     }
 
+    /// Takes in `[old_end, new_end)` (the device grew) less `holes` as free space, and
+    /// keeps `reserve` back from then on.
+    pub(crate) fn grow(&mut self, old_end: u64, new_end: u64, holes: &[(u64, u64)], reserve: u64) {
+        self.add_free(old_end, new_end - old_end);
+        for &(s, l) in holes.iter().filter(|&&(s, _)| s >= old_end) {
+            self.mark_used(s, l);
+        }
+        self.reserve = reserve;
+    }
+
     /// Removes `[start, start+len)` from free space wherever it is free.
     pub(crate) fn mark_used(&mut self, start: u64, len: u64) {
         let end = start + len;

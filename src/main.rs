@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 
-use birchfs::dev::FileDev;
+use birchfs::dev::{BlockDev, FileDev};
 use birchfs::{Fs, MkfsOptions, Options, SnapshotInfo};
 
 mod cli {
@@ -119,6 +119,15 @@ enum Cmd {
         /// A birchfs mountpoint, or an unmounted image
         target: PathBuf,
     },
+    /// Grow the unmounted filesystem on IMAGE to SIZE (an image file is lengthened
+    /// to it; a block device must already be that large)
+    Resize {
+        /// Image file or block device
+        image: PathBuf,
+        /// New size (K, M, G, T suffixes), +SIZE to add that much, or max (the
+        /// whole image file or device as it is now)
+        size: String,
+    },
     /// Print the trees of IMAGE and the log a mount would replay
     Dump {
         /// Only this tree: root, extent, fs, csum; or log (the fsynced changes a mount would replay)
@@ -200,6 +209,55 @@ fn open_unmounted(target: &Path) -> Result<Fs> {
         },
     )
     .with_context(|| format!("cannot open {}", target.display()))
+}
+
+/// `birchfs resize`: grows the unmounted filesystem on `image` to `size` (see
+/// [`Cmd::Resize`]); returns its old and new sizes.
+fn resize_cmd(image: &Path, size: &str) -> Result<(u64, u64)> {
+    let mut dev =
+        open_when_free(image, true).with_context(|| format!("cannot open {}", image.display()))?;
+    let sb = Fs::superblock_of(&dev).with_context(|| format!("cannot open {}", image.display()))?;
+    let from = sb.total_bytes;
+    let to = match size.trim() {
+        "max" => dev.size(),
+        s => match s.strip_prefix('+') {
+            Some(more) => from.saturating_add(parse_size(more)?),
+            None => parse_size(s)?,
+        },
+    } & !4095;
+    if to < from {
+        bail!(
+            "{} holds a filesystem of {from} bytes; birchfs grows filesystems and never \
+             shrinks them",
+            image.display()
+        );
+    }
+    if to == from {
+        bail!("{} is already {from} bytes", image.display());
+    }
+    if to > dev.size() {
+        if dev.is_block_device() {
+            bail!(
+                "{} is a device of {} bytes, less than {to}",
+                image.display(),
+                dev.size()
+            );
+        }
+        dev.resize(to)
+            .with_context(|| format!("cannot lengthen {}", image.display()))?;
+    }
+    let fs = Fs::open(
+        Arc::new(dev),
+        Options {
+            commit_interval: Duration::ZERO,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("cannot open {}", image.display()))?;
+    fs.grow(to)
+        .with_context(|| format!("cannot grow {}", image.display()))?;
+    fs.unmount()?;
+    Ok((from, to))
 }
 
 /// The root of the birchfs mounted at `dir`, opened for an ioctl; an error for any
@@ -894,6 +952,17 @@ fn run() -> Result<ExitCode> {
                 "{}: {n} bytes ({:.1} MiB) trimmed",
                 target.display(),
                 n as f64 / (1 << 20) as f64
+            );
+        }
+        Cmd::Resize { image, size } => {
+            init_logging(None)?;
+            let (from, to) = resize_cmd(&image, &size)?;
+            println!(
+                "{}: grown from {} to {} bytes ({} MiB more)",
+                image.display(),
+                from,
+                to,
+                (to - from) >> 20
             );
         }
         Cmd::Dump { tree, image } => {

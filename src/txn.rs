@@ -285,6 +285,28 @@ impl Store {
         }
     }
 
+    /// Takes in the device's bytes up to `size` (it grew, or was larger than the
+    /// filesystem): they are free from now on, and the next commit writes the
+    /// superblock copies that now fit. `size` is rounded down to a block.
+    pub(crate) fn grow(&mut self, size: u64) -> Result<()> {
+        self.writable()?;
+        let size = size & !4095;
+        let old = self.sb.total_bytes;
+        if size <= old {
+            return Err(Error::Invalid("a filesystem only grows"));
+        }
+        if size > self.dev.size() {
+            return Err(Error::Invalid(
+                "the device is smaller than the size asked for",
+            ));
+        }
+        self.alloc
+            .grow(old, size, &super_holes(size), reserve_for(size));
+        self.sb.total_bytes = size;
+        self.must_commit = true;
+        Ok(())
+    }
+
     /// Reads the newest valid superblock of `dev`.
     pub(crate) fn read_super(dev: &dyn BlockDev) -> Result<Superblock> {
         let size = dev.size();

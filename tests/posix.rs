@@ -5451,3 +5451,58 @@ fn seek_data_and_hole_through_the_mount() {
     drop((f, c));
     m.unmount();
 }
+
+/// `birchfs resize` grows a full filesystem: an image file is lengthened (`+SIZE`) or
+/// taken whole as it now is (`max`, after `truncate -s`); the new space takes data,
+/// check finds it clean, and what was there stays. It never shrinks.
+#[test]
+fn birchfs_resize_grows_a_full_filesystem() {
+    const MIB: u64 = 1 << 20;
+    let mut m = Mount::unmounted("64M");
+    m.mount();
+    let first = mib_data(8, 21);
+    let mut f = File::create(m.path("first")).unwrap();
+    let mut written = 0u64;
+    while written < 200 * MIB && f.write_all(&first).and_then(|()| f.sync_all()).is_ok() {
+        written += first.len() as u64;
+    }
+    drop(f);
+    assert!(
+        written < 64 * MIB,
+        "a 64 MiB filesystem took {written} bytes"
+    );
+    fs::remove_file(m.path("first")).unwrap();
+    fs::write(m.path("kept"), &first).unwrap();
+    m.unmount();
+    let img = m.image().as_os_str().to_owned();
+    let resize = |size: &str| cli(&["resize".as_ref(), img.as_os_str(), size.as_ref()]);
+    fails_saying(&resize("32M"), "never shrinks", "resize to less");
+    let out = resize("+192M");
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_eq!(fs::metadata(m.image()).unwrap().len(), 256 * MIB);
+    m.mount();
+    let big = mib_data(150, 22);
+    fs::write(m.path("big"), &big).unwrap();
+    File::open(m.path("big")).unwrap().sync_all().unwrap();
+    m.unmount();
+    check_clean(m.image());
+    File::options()
+        .write(true)
+        .open(m.image())
+        .unwrap()
+        .set_len(512 * MIB)
+        .unwrap();
+    let out = resize("max");
+    assert!(out.status.success(), "{}", describe(&out));
+    m.mount();
+    let st = statfs(m.root()).unwrap();
+    assert!(
+        st.f_blocks as u64 * st.f_bsize as u64 > 450 * MIB,
+        "{} blocks",
+        st.f_blocks
+    );
+    assert!(fs::read(m.path("kept")).unwrap() == first, "kept changed");
+    assert!(fs::read(m.path("big")).unwrap() == big, "big changed");
+    m.unmount();
+    check_clean(m.image());
+}

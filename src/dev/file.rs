@@ -204,6 +204,11 @@ impl FileDev {
         })
     }
 
+    /// Whether this is a block device (not an image file).
+    pub fn is_block_device(&self) -> bool {
+        self.bdev
+    }
+
     /// Sets the length of an image file (not of a block device) to `len` bytes.
     pub fn resize(&mut self, len: u64) -> io::Result<()> {
         if let Some(limit) = file_size_limit().filter(|&l| l < len) {

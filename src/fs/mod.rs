@@ -493,6 +493,20 @@ impl Fs {
         r
     }
 
+    /// Grows the filesystem to `size` bytes of its device, which must already be that
+    /// large, and commits: the new space is free, and a superblock copy that now fits
+    /// is written. Rounded down to 4 KiB; never shrinks.
+    pub fn grow(&self, size: u64) -> Result<()> {
+        let _c = self.commit_lock.lock();
+        self.inner.lock().store.grow(size)?;
+        self.commit_locked(false)
+    }
+
+    /// The newest valid superblock of `dev`: what an open would start from.
+    pub fn superblock_of(dev: &dyn BlockDev) -> Result<crate::format::Superblock> {
+        crate::txn::Store::read_super(dev)
+    }
+
     /// Makes everything done so far durable: writes back the page cache, then a full
     /// commit. A writeback error is returned after the commit of everything else.
     pub fn commit(&self) -> Result<()> {

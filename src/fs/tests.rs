@@ -2118,3 +2118,54 @@ fn fsyncs_wait_for_the_commit_that_writes_a_refused_one() {
         );
     }
 }
+
+/// A full filesystem grown onto a larger device: the new space takes data, the
+/// superblock copy at 64 MiB that now fits is written, check finds it all clean, and
+/// what was there before is intact. It never shrinks.
+#[test]
+fn a_grown_filesystem_uses_the_new_space_and_checks_clean() {
+    let (dev, fs) = mk(48 * MB);
+    let f = fs.mknod(ROOT_INO, b"before", 0o644, 0, cr()).unwrap();
+    let chunk = pattern(64 << 10, 5);
+    let mut off = 0;
+    while fs.write(f.ino, off, &chunk).is_ok() {
+        off += chunk.len() as u64;
+        assert!(off < 100 * MB);
+    }
+    fs.commit().unwrap();
+    let full = off;
+    let blocks_before = fs.statfs().blocks;
+    fs.unmount().unwrap();
+
+    // The device grows (as an image file does under `truncate -s`).
+    let mut image = dev.image();
+    image.resize((200 * MB) as usize, 0);
+    let dev = Arc::new(MemDev::from_image(image));
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    assert!(matches!(fs.grow(40 * MB), Err(Error::Invalid(_))));
+    assert!(matches!(fs.grow(300 * MB), Err(Error::Invalid(_))));
+    fs.grow(200 * MB).unwrap();
+    assert!(fs.statfs().blocks >= blocks_before + (150 * MB) / 4096);
+    let g = fs.mknod(ROOT_INO, b"after", 0o644, 0, cr()).unwrap();
+    let more = pattern((100 * MB) as usize, 9);
+    fs.write(g.ino, 0, &more).unwrap();
+    fs.commit().unwrap();
+    fs.unmount().unwrap();
+
+    assert_eq!(check_image(&dev), Vec::<String>::new());
+    let sb = Fs::superblock_of(dev.as_ref()).unwrap();
+    assert_eq!(sb.total_bytes, 200 * MB);
+    let mut copy = vec![0u8; crate::format::SUPER_SIZE];
+    dev.read_at(&mut copy, 64 * MB).unwrap();
+    let second = crate::format::Superblock::decode(&copy, 64 * MB).unwrap();
+    assert_eq!(second.generation, sb.generation);
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let f = fs.lookup_nopin(ROOT_INO, b"before").unwrap();
+    let got = fs.read(f.ino, 0, full as u32).unwrap();
+    assert!(
+        got.chunks(chunk.len()).all(|c| c == chunk),
+        "before changed"
+    );
+    assert!(read_all(&fs, fs.lookup_nopin(ROOT_INO, b"after").unwrap().ino) == more);
+    fs.unmount().unwrap();
+}
