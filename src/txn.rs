@@ -300,6 +300,13 @@ impl Store {
                 "the device is smaller than the size asked for",
             ));
         }
+        // The copies the new size brings in get the last commit's superblock first, and
+        // are flushed: a power cut in the grow's commit may land its first copy (the
+        // new size) without these, and every copy within a size must be valid.
+        for (off, _) in super_holes(size).into_iter().filter(|&(o, _)| o >= old) {
+            self.dev.write_at(&self.sb.encode(off), off)?;
+        }
+        self.dev.flush()?;
         self.alloc
             .grow(old, size, &super_holes(size), reserve_for(size));
         self.sb.total_bytes = size;
