@@ -5453,8 +5453,9 @@ fn seek_data_and_hole_through_the_mount() {
 }
 
 /// `birchfs resize` grows a full filesystem: an image file is lengthened (`+SIZE`) or
-/// taken whole as it now is (`max`, after `truncate -s`); the new space takes data,
-/// check finds it clean, and what was there stays. It never shrinks.
+/// taken whole as it now is (`max`, after `truncate -s`, which a mount points out);
+/// the new space takes data, check finds it clean, and what was there stays. It never
+/// shrinks.
 #[test]
 fn birchfs_resize_grows_a_full_filesystem() {
     const MIB: u64 = 1 << 20;
@@ -5492,6 +5493,14 @@ fn birchfs_resize_grows_a_full_filesystem() {
         .unwrap()
         .set_len(512 * MIB)
         .unwrap();
+    // A mount of the longer image says what lies unused.
+    let out = m.try_mount(&[]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stderr).contains("resize"),
+        "{}",
+        describe(&out)
+    );
+    m.unmount();
     let out = resize("max");
     assert!(out.status.success(), "{}", describe(&out));
     m.mount();

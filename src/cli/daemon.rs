@@ -185,6 +185,12 @@ fn mount_serve(
         };
         anyhow!("cannot open {}: {e}{hint}", image.display())
     })?;
+    let unused = {
+        use birchfs::dev::BlockDev;
+        Fs::superblock_of(&dev)
+            .ok()
+            .map_or(0, |sb| dev.size().saturating_sub(sb.total_bytes))
+    };
     let fs = Arc::new(Fs::open(Arc::new(dev), mo.fs.clone()).map_err(|e| {
         // A damaged node the mount itself needs (a tree's root, say): say where the
         // rest of the damage is listed, and how to get the files out.
@@ -228,10 +234,21 @@ fn mount_serve(
     // Before the mount: once mounted, a path of an image inside the mount point
     // would be looked up through the mount, by this daemon, which serves nothing
     // yet (the mount hung).
-    let warning = (!mo.fs.readonly)
+    let mut warnings: Vec<String> = (!mo.fs.readonly)
         .then(|| host_space_warning(image))
-        .flatten();
-    if let Some(w) = &warning {
+        .flatten()
+        .into_iter()
+        .collect();
+    if unused >= 1 << 20 {
+        warnings.push(format!(
+            "{} is {} MiB larger than its filesystem, which does not use that part: \
+             `birchfs resize {} max`, unmounted, adds it",
+            image.display(),
+            unused >> 20,
+            image.display()
+        ));
+    }
+    for w in &warnings {
         tracing::warn!("{w}");
     }
     let served = ffs.clone();
@@ -365,7 +382,7 @@ fn mount_serve(
     }
     if let Some(mut f) = ready.take() {
         let mut msg = String::from("ok\n");
-        if let Some(w) = warning {
+        for w in warnings {
             msg.push_str(&format!("warning: {w}\n"));
         }
         let _ = f.write_all(msg.as_bytes());
