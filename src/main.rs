@@ -201,6 +201,12 @@ fn utc(sec: i64) -> String {
 fn open_unmounted(target: &Path) -> Result<Fs> {
     let dev = open_when_free(target, true)
         .with_context(|| format!("cannot open {}", target.display()))?;
+    unmounted_fs(dev, target)
+}
+
+/// The filesystem on `dev` (the image `target`, already opened), as
+/// [`open_unmounted`] opens it.
+fn unmounted_fs(dev: FileDev, target: &Path) -> Result<Fs> {
     Fs::open(
         Arc::new(dev),
         Options {
@@ -246,14 +252,7 @@ fn resize_cmd(image: &Path, size: &str) -> Result<(u64, u64)> {
         dev.resize(to)
             .with_context(|| format!("cannot lengthen {}", image.display()))?;
     }
-    let fs = Fs::open(
-        Arc::new(dev),
-        Options {
-            commit_interval: Duration::ZERO,
-            ..Default::default()
-        },
-    )
-    .with_context(|| format!("cannot open {}", image.display()))?;
+    let fs = unmounted_fs(dev, image)?;
     fs.grow(to)
         .with_context(|| format!("cannot grow {}", image.display()))?;
     fs.unmount()?;

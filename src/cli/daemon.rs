@@ -51,14 +51,10 @@ pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
         let m = Path::new(m);
         std::fs::canonicalize(m).unwrap_or_else(|_| m.to_path_buf())
     });
-    let top_before = |info: &[u8]| {
-        target
-            .as_deref()
-            .and_then(|m| super::umount::top_mount(info, m))
-    };
     let before = std::fs::read("/proc/self/mountinfo")
         .ok()
-        .and_then(|i| top_before(&i));
+        .zip(target.as_deref())
+        .and_then(|(info, m)| super::umount::top_mount(&info, m));
     let mut child = cmd.spawn().context("cannot start the mount daemon")?;
     drop(wr);
     let mut msg = String::new();
@@ -108,7 +104,7 @@ fn clear_dead_mount(image: &Path, mountpoint: &Path, before: Option<(Vec<u8>, Op
     // lock lets one daemon at a time hold it), and that daemon has exited. Its state is
     // not asked: a stat of the mount point may still be answered from the kernel's
     // cache.
-    if std::fs::canonicalize(&mounted).ok() != std::fs::canonicalize(image).ok() {
+    if !super::umount::same_path(&mounted, image) {
         return;
     }
     let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
@@ -185,12 +181,7 @@ fn mount_serve(
         };
         anyhow!("cannot open {}: {e}{hint}", image.display())
     })?;
-    let unused = {
-        use birchfs::dev::BlockDev;
-        Fs::superblock_of(&dev)
-            .ok()
-            .map_or(0, |sb| dev.size().saturating_sub(sb.total_bytes))
-    };
+    let dev_size = birchfs::dev::BlockDev::size(&dev);
     let fs = Arc::new(Fs::open(Arc::new(dev), mo.fs.clone()).map_err(|e| {
         // A damaged node the mount itself needs (a tree's root, say): say where the
         // rest of the damage is listed, and how to get the files out.
@@ -239,6 +230,7 @@ fn mount_serve(
         .flatten()
         .into_iter()
         .collect();
+    let unused = dev_size.saturating_sub(fs.size());
     if unused >= 1 << 20 {
         warnings.push(format!(
             "{} is {} MiB larger than its filesystem, which does not use that part: \

@@ -58,11 +58,7 @@ pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Re
     let want = parse(options)?;
     let ro = want & libc::MS_RDONLY != 0;
     let mounted = super::umount::image_mounted_at(mountpoint)?;
-    let same = |a: &Path, b: &Path| match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => a == b,
-    };
-    if !same(image, &mounted) {
+    if !super::umount::same_path(image, &mounted) {
         bail!(
             "remount: {} holds {}, not {}",
             mountpoint.display(),

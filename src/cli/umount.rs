@@ -85,6 +85,15 @@ pub(crate) fn top_mount(mountinfo: &[u8], mountpoint: &Path) -> Option<(Vec<u8>,
         .map(|m| (m.dev, m.image))
 }
 
+/// Whether `a` and `b` name the same file: the same path once links are resolved, or,
+/// when one cannot be resolved (gone), the same path as given.
+pub(crate) fn same_path(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
+}
+
 /// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked).
 pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
     top_mount(mountinfo, mountpoint)?.1

@@ -502,6 +502,11 @@ impl Fs {
         self.commit_locked(false)
     }
 
+    /// The filesystem's size in bytes: how much of its device it uses.
+    pub fn size(&self) -> u64 {
+        self.inner.lock().store.sb.total_bytes
+    }
+
     /// The newest valid superblock of `dev`: what an open would start from.
     pub fn superblock_of(dev: &dyn BlockDev) -> Result<crate::format::Superblock> {
         crate::txn::Store::read_super(dev)
