@@ -119,11 +119,11 @@ enum Cmd {
         /// A birchfs mountpoint, or an unmounted image
         target: PathBuf,
     },
-    /// Grow the unmounted filesystem on IMAGE to SIZE (an image file is lengthened
-    /// to it; a block device must already be that large)
+    /// Grow the filesystem of TARGET to SIZE, mounted or not (an image file is
+    /// lengthened to it; a block device must already be that large)
     Resize {
-        /// Image file or block device
-        image: PathBuf,
+        /// A birchfs mountpoint, or an image file or block device (mounted or not)
+        target: PathBuf,
         /// New size (K, M, G, T suffixes), +SIZE to add that much, or max (the
         /// whole image file or device as it is now)
         size: String,
@@ -217,15 +217,46 @@ fn unmounted_fs(dev: FileDev, target: &Path) -> Result<Fs> {
     .with_context(|| format!("cannot open {}", target.display()))
 }
 
-/// `birchfs resize`: grows the unmounted filesystem on `image` to `size` (see
-/// [`Cmd::Resize`]); returns its old and new sizes.
-fn resize_cmd(image: &Path, size: &str) -> Result<(u64, u64)> {
-    let mut dev =
-        open_when_free(image, true).with_context(|| format!("cannot open {}", image.display()))?;
-    let sb = Fs::superblock_of(&dev).with_context(|| format!("cannot open {}", image.display()))?;
+/// `birchfs resize TARGET SIZE`: grows the filesystem of a mount in place (TARGET
+/// its mount point, or its image while mounted), or of an unmounted image; returns
+/// its old and new sizes.
+fn resize_cmd(target: &Path, size: &str) -> Result<(u64, u64)> {
+    cli::umount::refuse_dead_mount(target)?;
+    if target.is_dir() {
+        return resize_mounted(target, size);
+    }
+    if let Some(mp) = cli::umount::image_mount(target) {
+        eprintln!(
+            "birchfs: {} is mounted at {}; growing it there",
+            target.display(),
+            mp.display()
+        );
+        return resize_mounted(&mp, size);
+    }
+    let mut dev = open_when_free(target, true)
+        .with_context(|| format!("cannot open {}", target.display()))?;
+    let sb =
+        Fs::superblock_of(&dev).with_context(|| format!("cannot open {}", target.display()))?;
     let from = sb.total_bytes;
-    let to = match size.trim() {
-        "max" => dev.size(),
+    let to = resize_target(target, size, from, dev.size(), dev.is_block_device())?;
+    if to > dev.size() {
+        dev.resize(to)
+            .with_context(|| format!("cannot lengthen {}", target.display()))?;
+    }
+    let fs = unmounted_fs(dev, target)?;
+    fs.grow(to)
+        .with_context(|| format!("cannot grow {}", target.display()))?;
+    fs.unmount()?;
+    Ok((from, to))
+}
+
+/// The size `spec` asks for (SIZE, +SIZE, or max: the whole device as it is now) of
+/// the filesystem of `from` bytes on `what`, a device of `device` bytes; rounded down
+/// to 4 KiB, larger than `from`, and within a block device (which birchfs cannot
+/// lengthen, as it does an image file).
+fn resize_target(what: &Path, spec: &str, from: u64, device: u64, bdev: bool) -> Result<u64> {
+    let to = match spec.trim() {
+        "max" => device,
         s => match s.strip_prefix('+') {
             Some(more) => from.saturating_add(parse_size(more)?),
             None => parse_size(s)?,
@@ -235,28 +266,62 @@ fn resize_cmd(image: &Path, size: &str) -> Result<(u64, u64)> {
         bail!(
             "{} holds a filesystem of {from} bytes; birchfs grows filesystems and never \
              shrinks them",
-            image.display()
+            what.display()
         );
     }
     if to == from {
-        bail!("{} is already {from} bytes", image.display());
+        bail!("{} is already {from} bytes", what.display());
     }
-    if to > dev.size() {
-        if dev.is_block_device() {
-            bail!(
-                "{} is a device of {} bytes, less than {to}",
-                image.display(),
-                dev.size()
-            );
+    if bdev && to > device {
+        bail!(
+            "{} is on a device of {device} bytes, less than {to}; grow the device first \
+             (losetup -c for a loop device, lvextend for a volume)",
+            what.display()
+        );
+    }
+    Ok(to)
+}
+
+/// Grows the birchfs mounted at `mountpoint` through its daemon
+/// ([`birchfs::fuse::BIRCHFS_IOC_RESIZE`]); returns its old and new sizes.
+fn resize_mounted(mountpoint: &Path, size: &str) -> Result<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let d = open_mount(mountpoint)?;
+    let ask = |op: u64, size: u64| -> std::io::Result<[u64; 3]> {
+        let mut arg = [op, size, 0];
+        // SAFETY: BIRCHFS_IOC_RESIZE reads and writes three u64s at a valid pointer.
+        let rc = unsafe {
+            libc::ioctl(
+                d.as_raw_fd(),
+                birchfs::fuse::BIRCHFS_IOC_RESIZE as libc::c_ulong,
+                arg.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
         }
-        dev.resize(to)
-            .with_context(|| format!("cannot lengthen {}", image.display()))?;
-    }
-    let fs = unmounted_fs(dev, image)?;
-    fs.grow(to)
-        .with_context(|| format!("cannot grow {}", image.display()))?;
-    fs.unmount()?;
-    Ok((from, to))
+        Ok(arg)
+    };
+    let why = |e: std::io::Error| match e.raw_os_error() {
+        Some(libc::ENOTTY) => anyhow!(
+            "{} is served by an older birchfs daemon, which cannot grow a mounted \
+             filesystem; unmount it and run birchfs resize on its image",
+            mountpoint.display()
+        ),
+        Some(libc::EPERM) => anyhow!(
+            "cannot grow {}: only root or the user who mounted it may",
+            mountpoint.display()
+        ),
+        Some(libc::EROFS) => anyhow!(
+            "cannot grow {}: it is mounted read-only",
+            mountpoint.display()
+        ),
+        _ => anyhow!("cannot grow {}: {e}", mountpoint.display()),
+    };
+    let [from, device, bdev] = ask(birchfs::fuse::RESIZE_QUERY, 0).map_err(why)?;
+    let to = resize_target(mountpoint, size, from, device, bdev != 0)?;
+    let [now, _, _] = ask(birchfs::fuse::RESIZE_GROW, to).map_err(why)?;
+    Ok((from, now))
 }
 
 /// The root of the birchfs mounted at `dir`, opened for an ioctl; an error for any
@@ -953,16 +1018,23 @@ fn run() -> Result<ExitCode> {
                 n as f64 / (1 << 20) as f64
             );
         }
-        Cmd::Resize { image, size } => {
+        Cmd::Resize { target, size } => {
             init_logging(None)?;
-            let (from, to) = resize_cmd(&image, &size)?;
+            let (from, to) = resize_cmd(&target, &size)?;
             println!(
                 "{}: grown from {} to {} bytes ({} MiB more)",
-                image.display(),
+                target.display(),
                 from,
                 to,
                 (to - from) >> 20
             );
+            let image = match target.is_dir() {
+                true => cli::umount::image_mounted_at(&target).ok(),
+                false => Some(target),
+            };
+            if let Some(w) = image.and_then(|i| cli::daemon::host_space_warning(&i)) {
+                eprintln!("birchfs resize: warning: {w}");
+            }
         }
         Cmd::Dump { tree, image } => {
             init_logging(None)?;

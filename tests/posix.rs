@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{self, DirBuilder, File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{
     symlink, DirBuilderExt, FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt,
@@ -5449,6 +5449,77 @@ fn seek_data_and_hole_through_the_mount() {
     let at = 4 * MB as usize + len / 2;
     assert_eq!(&all[at..at + 4096], &[10; 4096]);
     drop((f, c));
+    m.unmount();
+}
+
+/// `birchfs resize` of a mounted filesystem grows it in place, given the mount point
+/// or the image: a writer refused for want of space goes on in the new space with the
+/// same open file, `df` shows the new size at once, and the image checks clean after
+/// the unmount. It never shrinks, and a read-only mount is refused.
+#[test]
+fn birchfs_resize_grows_a_mounted_filesystem() {
+    const MIB: u64 = 1 << 20;
+    let mut m = Mount::unmounted("64M");
+    m.mount();
+    let chunk = mib_data(4, 31);
+    let mut f = File::create(m.path("log")).unwrap();
+    let mut written = 0u64;
+    while written < 200 * MIB && f.write_all(&chunk).and_then(|()| f.sync_all()).is_ok() {
+        written += chunk.len() as u64;
+    }
+    assert!(
+        written < 64 * MIB,
+        "a 64 MiB filesystem took {written} bytes"
+    );
+    let size = |m: &Mount| {
+        let st = statfs(m.root()).unwrap();
+        st.f_blocks as u64 * st.f_bsize as u64
+    };
+    let before = size(&m);
+    let root = m.root().as_os_str().to_owned();
+    let resize =
+        |what: &std::ffi::OsStr, size: &str| cli(&["resize".as_ref(), what, size.as_ref()]);
+    let out = resize(&root, "+64M");
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(size(&m) >= before + 60 * MIB, "df: {} bytes", size(&m));
+    assert_eq!(fs::metadata(m.image()).unwrap().len(), 128 * MIB);
+    // The writer goes on where it was refused, with the same open file.
+    f.seek(SeekFrom::Start(written)).unwrap();
+    f.set_len(written).unwrap();
+    for _ in 0..8 {
+        f.write_all(&chunk).unwrap();
+    }
+    f.sync_all().unwrap();
+    drop(f);
+    // The image, while mounted: the mount grows it; `max` takes the whole file.
+    File::options()
+        .write(true)
+        .open(m.image())
+        .unwrap()
+        .set_len(256 * MIB)
+        .unwrap();
+    let img = m.image().as_os_str().to_owned();
+    let out = resize(&img, "max");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stderr).contains("growing it there"),
+        "{}",
+        describe(&out)
+    );
+    assert!(size(&m) > 240 * MIB, "df: {} bytes", size(&m));
+    fails_saying(&resize(&root, "100M"), "never shrinks", "resize to less");
+    fails_saying(&resize(&root, "256M"), "already", "resize to the same size");
+    m.unmount();
+    check_clean(m.image());
+    m.mount_with(&["ro"]);
+    assert!(size(&m) > 240 * MIB, "the grown size did not last");
+    let all = fs::read(m.path("log")).unwrap();
+    assert_eq!(all.len() as u64, written + 8 * chunk.len() as u64);
+    assert!(all.chunks(chunk.len()).all(|c| c == chunk), "log changed");
+    fails_saying(
+        &resize(&root, "+64M"),
+        "read-only",
+        "resize of a read-only mount",
+    );
     m.unmount();
 }
 

@@ -393,7 +393,7 @@ fn mount_serve(
 /// A warning when `image` is a sparse file that may still need more of the host's
 /// space than the host has free: birchfs fills an image's holes as it writes, and
 /// when the host runs out first, those writes fail.
-fn host_space_warning(image: &Path) -> Option<String> {
+pub(crate) fn host_space_warning(image: &Path) -> Option<String> {
     use std::os::unix::fs::MetadataExt;
     let md = std::fs::metadata(image).ok()?;
     if !md.file_type().is_file() {

@@ -94,6 +94,18 @@ pub(crate) fn same_path(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// Where the birchfs of `image` is mounted (the first such mount in `mountinfo`).
+pub(crate) fn mount_of_image(mountinfo: &[u8], image: &Path) -> Option<PathBuf> {
+    mounts(mountinfo)
+        .find(|m| m.image.as_deref().is_some_and(|i| same_path(i, image)))
+        .map(|m| m.point)
+}
+
+/// [`mount_of_image`] on this process's mount table; `None` when it cannot be read.
+pub(crate) fn image_mount(image: &Path) -> Option<PathBuf> {
+    mount_of_image(&read_mountinfo().ok()?, image)
+}
+
 /// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked).
 pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
     top_mount(mountinfo, mountpoint)?.1

@@ -35,6 +35,7 @@ use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::BlockDev;
 
@@ -44,7 +45,8 @@ pub struct FileDev {
     file: File,
     /// The same file opened with O_DIRECT, where the host filesystem allows it.
     direct: Option<File>,
-    size: u64,
+    /// Size in bytes; it grows (never shrinks) with [`BlockDev::grow`] while in use.
+    size: AtomicU64,
     /// A `write_many` batch whose aligned writes add up to at least this sends them
     /// all direct, together.
     batch_direct: usize,
@@ -191,7 +193,7 @@ impl FileDev {
         Ok(FileDev {
             file,
             direct,
-            size,
+            size: AtomicU64::new(size),
             batch_direct: if bdev {
                 BATCH_DIRECT_BDEV
             } else {
@@ -204,13 +206,16 @@ impl FileDev {
         })
     }
 
-    /// Whether this is a block device (not an image file).
-    pub fn is_block_device(&self) -> bool {
-        self.bdev
-    }
-
     /// Sets the length of an image file (not of a block device) to `len` bytes.
     pub fn resize(&mut self, len: u64) -> io::Result<()> {
+        self.set_file_len(len)?;
+        self.size.store(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sets the image file's length, with the reason when the host or `ulimit -f`
+    /// refuses it.
+    fn set_file_len(&self, len: u64) -> io::Result<()> {
         if let Some(limit) = file_size_limit().filter(|&l| l < len) {
             return Err(too_large(Path::new("the image"), len, limit));
         }
@@ -223,9 +228,7 @@ impl FileDev {
                 ),
             ),
             _ => e,
-        })?;
-        self.size = len;
-        Ok(())
+        })
     }
 
     /// The O_DIRECT file, if `len` bytes at `off` should go through it.
@@ -474,7 +477,7 @@ impl BlockDev for FileDev {
         self.file.read_exact_at(buf, off)
     }
     fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
-        if off + buf.len() as u64 > self.size {
+        if off + buf.len() as u64 > self.size() {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
         if let Some(d) = self.direct_for(buf.len(), off, false) {
@@ -485,7 +488,7 @@ impl BlockDev for FileDev {
     fn write_many(&self, writes: &[(&[u8], u64)]) -> io::Result<()> {
         if writes
             .iter()
-            .any(|&(buf, off)| off + buf.len() as u64 > self.size)
+            .any(|&(buf, off)| off + buf.len() as u64 > self.size())
         {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
@@ -563,7 +566,7 @@ impl BlockDev for FileDev {
         self.file.sync_data()
     }
     fn discard(&self, off: u64, len: u64) -> io::Result<bool> {
-        if len == 0 || off.checked_add(len).is_none_or(|end| end > self.size) {
+        if len == 0 || off.checked_add(len).is_none_or(|end| end > self.size()) {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let fd = self.file.as_raw_fd();
@@ -594,7 +597,22 @@ impl BlockDev for FileDev {
         }
     }
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
+    }
+    fn is_block_device(&self) -> bool {
+        self.bdev
+    }
+    fn current_size(&self) -> io::Result<u64> {
+        // lseek, not fstat: a block device's fstat size is 0.
+        (&self.file).seek(SeekFrom::End(0))
+    }
+    fn grow(&self, len: u64) -> io::Result<u64> {
+        let mut now = self.current_size()?;
+        if now < len && !self.bdev {
+            self.set_file_len(len)?;
+            now = len;
+        }
+        Ok(self.size.fetch_max(now, Ordering::Relaxed).max(now))
     }
 }
 

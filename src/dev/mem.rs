@@ -67,6 +67,13 @@ impl BlockDev for MemDev {
     fn size(&self) -> u64 {
         self.data.read().len() as u64
     }
+    fn grow(&self, len: u64) -> io::Result<u64> {
+        let mut d = self.data.write();
+        if (d.len() as u64) < len {
+            d.resize(len as usize, 0);
+        }
+        Ok(d.len() as u64)
+    }
 }
 
 /// What the memory devices leave in a discarded range.

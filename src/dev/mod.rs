@@ -73,4 +73,20 @@ pub trait BlockDev: Send + Sync {
     }
     /// Size in bytes.
     fn size(&self) -> u64;
+    /// Whether this is a block device (not an image file or memory).
+    fn is_block_device(&self) -> bool {
+        false
+    }
+    /// The size in bytes as it is now, which may have grown since the device was
+    /// opened (an image file lengthened, a loop device or volume grown).
+    fn current_size(&self) -> io::Result<u64> {
+        Ok(self.size())
+    }
+    /// Makes the device at least `len` bytes where it can (an image file is
+    /// lengthened) and takes in what it has grown by; returns its size, which may
+    /// still be less than `len` (a block device is only measured again). Never
+    /// shrinks it.
+    fn grow(&self, _len: u64) -> io::Result<u64> {
+        Ok(self.size())
+    }
 }

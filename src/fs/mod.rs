@@ -493,13 +493,25 @@ impl Fs {
         r
     }
 
-    /// Grows the filesystem to `size` bytes of its device, which must already be that
-    /// large, and commits: the new space is free, and a superblock copy that now fits
-    /// is written. Rounded down to 4 KiB; never shrinks.
+    /// Grows the filesystem to `size` bytes of its device and commits: the new space
+    /// is free, and a superblock copy that now fits is written. An image file is
+    /// lengthened to `size` first; a block device must already be that large. Rounded
+    /// down to 4 KiB; never shrinks. Mounted or not: changes go on meanwhile.
     pub fn grow(&self, size: u64) -> Result<()> {
         let _c = self.commit_lock.lock();
-        self.inner.lock().store.grow(size)?;
-        self.commit_locked(false)
+        self.dev.grow(size & !4095)?;
+        self.commit_growing(false, Some(size))
+    }
+
+    /// The size of the device as it is now (an image file's length, a block device's
+    /// capacity), which may exceed [`Fs::size`]: what a grow can take.
+    pub fn device_size(&self) -> Result<u64> {
+        Ok(self.dev.current_size()?)
+    }
+
+    /// Whether the filesystem lies on a block device (which a grow cannot lengthen).
+    pub fn on_block_device(&self) -> bool {
+        self.dev.is_block_device()
     }
 
     /// The filesystem's size in bytes: how much of its device it uses.
@@ -537,10 +549,21 @@ impl Fs {
     /// the last durable commit), and until one lands every fsync commits (the log
     /// takes no batch), so none is answered on records a crash could not replay.
     fn commit_locked(&self, chain: bool) -> Result<()> {
+        self.commit_growing(chain, None)
+    }
+
+    /// [`Fs::commit_locked`], growing the filesystem to `grow` bytes first, under the
+    /// same locks: no log batch is written between the grow and the commit (which
+    /// must not chain then), so none that a crash could replay on the old size uses
+    /// the new space.
+    fn commit_growing(&self, chain: bool, grow: Option<u64>) -> Result<()> {
         let t0 = std::time::Instant::now();
         let log_guard = self.log_lock.lock();
         let (mut batch, log_start) = {
             let mut g = self.inner.lock();
+            if let Some(size) = grow {
+                g.store.grow(size)?;
+            }
             g.flush_all_pending()?;
             let earlier = g.store.unwritten.take();
             let batch = match earlier {

@@ -202,6 +202,29 @@ pub const FITRIM: u32 = 0xc018_5879;
 /// daemon holds now, as `sync` does on a kernel filesystem; _IO(0xbf, 1), no argument.
 pub const BIRCHFS_IOC_SYNC: u32 = 0xbf01;
 
+/// birchfs's ioctl that grows a mounted filesystem, on its root (root or the user
+/// who mounted): _IOWR(0xbf, 2, three u64s). In: an operation ([`RESIZE_QUERY`] or
+/// [`RESIZE_GROW`]) and the size to grow to. Out: the filesystem's size, its device's
+/// size now, and 1 for a block device (0 for an image file), after the grow if any.
+pub const BIRCHFS_IOC_RESIZE: u32 = 0xc018_bf02;
+
+/// [`BIRCHFS_IOC_RESIZE`] only reports the sizes.
+pub const RESIZE_QUERY: u64 = 0;
+
+/// [`BIRCHFS_IOC_RESIZE`] grows the filesystem (an image file is lengthened first).
+pub const RESIZE_GROW: u64 = 1;
+
+/// Decodes [`BIRCHFS_IOC_RESIZE`]'s argument: operation and size (None if short).
+pub(crate) fn resize_args(b: &[u8]) -> Option<(u64, u64)> {
+    let a = Args::new(b.get(..24)?);
+    Some((a.u64(0), a.u64(8)))
+}
+
+/// Encodes [`BIRCHFS_IOC_RESIZE`]'s answer.
+pub(crate) fn resize_answer(fs_size: u64, dev_size: u64, bdev: bool) -> [u8; 24] {
+    three_u64s([fs_size, dev_size, u64::from(bdev)])
+}
+
 /// Decodes a `struct fstrim_range`: start, len, minlen (None if short).
 pub(crate) fn fstrim_range(b: &[u8]) -> Option<(u64, u64, u64)> {
     let a = Args::new(b.get(..24)?);
@@ -210,8 +233,13 @@ pub(crate) fn fstrim_range(b: &[u8]) -> Option<(u64, u64, u64)> {
 
 /// Encodes a `struct fstrim_range`.
 pub(crate) fn fstrim_range_bytes(start: u64, len: u64, min_len: u64) -> [u8; 24] {
+    three_u64s([start, len, min_len])
+}
+
+/// Three u64s as an ioctl struct holds them.
+pub(crate) fn three_u64s(v: [u64; 3]) -> [u8; 24] {
     let mut out = [0u8; 24];
-    for (i, v) in [start, len, min_len].into_iter().enumerate() {
+    for (i, v) in v.into_iter().enumerate() {
         out[i * 8..i * 8 + 8].copy_from_slice(&v.to_ne_bytes());
     }
     out

@@ -11,5 +11,5 @@ mod group;
 mod ops;
 pub mod uring;
 
-pub use abi::{BIRCHFS_IOC_SYNC, FITRIM};
+pub use abi::{BIRCHFS_IOC_RESIZE, BIRCHFS_IOC_SYNC, FITRIM, RESIZE_GROW, RESIZE_QUERY};
 pub use ops::{FuseFs, Timeouts, SNAPSHOT_XATTR, SPACE_XATTR, STATS_XATTR};

@@ -1033,7 +1033,8 @@ impl FuseFs {
     }
 
     /// FITRIM (`fstrim`), for root or the user who mounted: discards the free space
-    /// in the range asked for and answers how much. [`abi::BIRCHFS_IOC_SYNC`], for
+    /// in the range asked for and answers how much. [`abi::BIRCHFS_IOC_RESIZE`], for
+    /// them too: reports the sizes or grows the filesystem ([`FuseFs::resize`]). [`abi::BIRCHFS_IOC_SYNC`], for
     /// anyone (as sync(2) is): commits what birchfs holds and answers whether it
     /// reached the disk. Every other ioctl gets ENOTTY,
     /// what a kernel filesystem answers for a command it does not know (FICLONE and
@@ -1059,13 +1060,16 @@ impl FuseFs {
                 }
             };
         }
-        if cmd != abi::FITRIM {
+        if cmd != abi::FITRIM && cmd != abi::BIRCHFS_IOC_RESIZE {
             tracing::debug!("ioctl {cmd:#x} on inode {}: not supported", to_ino(nodeid));
             return reply.error(err(libc::ENOTTY));
         }
         // SAFETY: geteuid has no preconditions.
         if c.uid != 0 && c.uid != unsafe { libc::geteuid() } {
             return reply.error(err(libc::EPERM));
+        }
+        if cmd == abi::BIRCHFS_IOC_RESIZE {
+            return self.resize(c, in_data, out_size, reply);
         }
         let Some((start, len, min_len)) = abi::fstrim_range(in_data).filter(|_| out_size >= 24)
         else {
@@ -1076,6 +1080,45 @@ impl FuseFs {
                 tracing::info!("FITRIM: {trimmed} bytes of free space discarded");
                 reply.ioctl(0, &abi::fstrim_range_bytes(start, trimmed, min_len))
             }
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    /// [`abi::BIRCHFS_IOC_RESIZE`] (`birchfs resize` of a mount): answers the sizes,
+    /// after growing the filesystem if asked (EINVAL for a size that is not larger;
+    /// EROFS on a read-only mount).
+    fn resize(&self, c: &Caller, in_data: &[u8], out_size: u32, reply: impl AnswerIoctl) {
+        let Some((op, size)) = abi::resize_args(in_data).filter(|_| out_size >= 24) else {
+            return reply.error(err(libc::EINVAL));
+        };
+        let from = self.fs.size();
+        match op {
+            abi::RESIZE_QUERY => {}
+            abi::RESIZE_GROW if self.fs.options().readonly => {
+                return reply.error(err(libc::EROFS));
+            }
+            abi::RESIZE_GROW if size & !4095 <= from => return reply.error(err(libc::EINVAL)),
+            abi::RESIZE_GROW => match self.fs.grow(size) {
+                Ok(()) => tracing::info!(
+                    "grown from {from} to {} bytes, as pid {} asked",
+                    self.fs.size(),
+                    c.pid
+                ),
+                Err(e) => {
+                    tracing::warn!(
+                        "growing to {size} bytes, as pid {} asked, failed: {e}",
+                        c.pid
+                    );
+                    return reply.error(errno(&e));
+                }
+            },
+            _ => return reply.error(err(libc::EINVAL)),
+        }
+        match self.fs.device_size() {
+            Ok(dev) => reply.ioctl(
+                0,
+                &abi::resize_answer(self.fs.size(), dev, self.fs.on_block_device()),
+            ),
             Err(e) => reply.error(errno(&e)),
         }
     }
@@ -1589,6 +1632,87 @@ mod tests {
             rx.recv().unwrap(),
             Got::Err(libc::ENOTTY),
             "FS_IOC_GETFLAGS"
+        );
+    }
+
+    /// BIRCHFS_IOC_RESIZE, to root and the user who mounted only: a query answers the
+    /// filesystem's and the device's sizes; a grow lengthens the device and the
+    /// filesystem (statfs sees the new space, a file written there reads back); a size
+    /// not larger, a short argument or an unknown operation is EINVAL; a read-only
+    /// mount is EROFS.
+    #[test]
+    fn the_resize_ioctl_grows_a_mounted_filesystem_for_who_may() {
+        let Created {
+            fs, ffs, tx, rx, ..
+        } = created(64 << 20);
+        let r = || Reply(tx.clone());
+        let root = Caller {
+            uid: 0,
+            gid: 0,
+            pid: 1,
+        };
+        let ask = |op: u64, size: u64| {
+            let arg = abi::three_u64s([op, size, 0]);
+            ffs.ioctl(&root, ROOT_INO, abi::BIRCHFS_IOC_RESIZE, &arg, 24, r());
+            match rx.recv().unwrap() {
+                Got::Ioctl(0, out) => Ok(abi::fstrim_range(&out).unwrap()),
+                Got::Err(e) => Err(e),
+                g => panic!("{g:?}"),
+            }
+        };
+        assert_eq!(ask(abi::RESIZE_QUERY, 0), Ok((64 << 20, 64 << 20, 0)));
+        assert_eq!(ask(abi::RESIZE_GROW, 64 << 20), Err(libc::EINVAL));
+        assert_eq!(ask(abi::RESIZE_GROW, 32 << 20), Err(libc::EINVAL));
+        assert_eq!(ask(7, 128 << 20), Err(libc::EINVAL));
+        let blocks = fs.statfs().blocks;
+        assert_eq!(
+            ask(abi::RESIZE_GROW, (192 << 20) + 100),
+            Ok((192 << 20, 192 << 20, 0))
+        );
+        assert!(fs.statfs().blocks >= blocks + (128 << 20) / 4096);
+        let f = fs
+            .mknod(ROOT_INO, b"big", 0o100644, 0, Creds { uid: 0, gid: 0 })
+            .unwrap();
+        let data: Vec<u8> = (0..150u32 << 20).map(|i| (i / 4099) as u8).collect();
+        fs.write(f.ino, 0, &data).unwrap();
+        fs.fsync(f.ino, false).unwrap();
+        assert!(fs.read(f.ino, 0, data.len() as u32).unwrap() == data);
+        // SAFETY: geteuid has no preconditions.
+        let me_uid = unsafe { libc::geteuid() };
+        let other = Caller {
+            uid: if me_uid == 65534 { 65533 } else { 65534 },
+            gid: 65534,
+            pid: 1,
+        };
+        let arg = abi::three_u64s([abi::RESIZE_QUERY, 0, 0]);
+        ffs.ioctl(&other, ROOT_INO, abi::BIRCHFS_IOC_RESIZE, &arg, 24, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EPERM));
+        ffs.ioctl(
+            &root,
+            ROOT_INO,
+            abi::BIRCHFS_IOC_RESIZE,
+            &arg[..16],
+            24,
+            r(),
+        );
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EINVAL));
+
+        let dev = Arc::new(MemDev::new(64 << 20));
+        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+        crate::dev::BlockDev::grow(dev.as_ref(), 128 << 20).unwrap();
+        let ro = Options {
+            readonly: true,
+            ..Options::default()
+        };
+        let ffs = FuseFs::new(Arc::new(Fs::open(dev, ro).unwrap()));
+        let arg = abi::three_u64s([abi::RESIZE_GROW, 128 << 20, 0]);
+        ffs.ioctl(&root, ROOT_INO, abi::BIRCHFS_IOC_RESIZE, &arg, 24, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EROFS));
+        let arg = abi::three_u64s([abi::RESIZE_QUERY, 0, 0]);
+        ffs.ioctl(&root, ROOT_INO, abi::BIRCHFS_IOC_RESIZE, &arg, 24, r());
+        assert_eq!(
+            rx.recv().unwrap(),
+            Got::Ioctl(0, abi::three_u64s([64 << 20, 128 << 20, 0]).to_vec())
         );
     }
 
