@@ -234,10 +234,10 @@ fn mount_serve(
     if unused >= 1 << 20 {
         warnings.push(format!(
             "{} is {} MiB larger than its filesystem, which does not use that part: \
-             `birchfs resize {} max`, unmounted, adds it",
+             `birchfs resize {} max` adds it",
             image.display(),
             unused >> 20,
-            image.display()
+            mountpoint.display()
         ));
     }
     for w in &warnings {
