@@ -2995,11 +2995,12 @@ fn mount_8_and_fstab_lines_mount_birchfs() {
 /// mount's options from the mount table and `remount` (birchfs took that for a new
 /// mount and refused `remount`). Going read-only commits, so a crash of the daemon
 /// then loses nothing written before; flags not named stay as they were given;
-/// a mount made with `-o ro` is not made writable.
+/// a mount made with `-o ro` is not made writable. birchfs's own options stay as
+/// mounted: one that differs is named in a warning, one as mounted (from fstab) not.
 #[test]
 fn remount_read_only_and_back() {
     let mut m = Mount::unmounted("256M");
-    m.mount_with(&["nosuid"]);
+    m.mount_with(&["nosuid", "cache_size=128M"]);
     fs::write(m.path("f"), b"before the remount").unwrap();
     let source = format!("birchfs:{}", m.image().display());
     let root = m.root().to_path_buf();
@@ -3013,15 +3014,26 @@ fn remount_read_only_and_back() {
         ])
     };
     let out = helper(
-        "ro,nosuid,relatime,remount,user_id=0,group_id=0,default_permissions,allow_other,dev",
+        "ro,nosuid,relatime,remount,user_id=0,group_id=0,default_permissions,allow_other,dev,\
+         cache_size=128M",
     );
     assert!(out.status.success(), "remount,ro:\n{}", describe(&out));
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("not applied"),
+        "{}",
+        describe(&out)
+    );
     let (_, opts) = mount_type_and_options(m.root());
     assert!(opts.starts_with("ro,") && opts.contains("nosuid"), "{opts}");
     let e = fs::write(m.path("g"), b"x").unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EROFS));
     let out = helper("rw,nosuid,remount,cache_size=64M");
-    assert!(out.status.success(), "remount,rw:\n{}", describe(&out));
+    assert!(
+        out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("cache_size=64M not applied"),
+        "remount,rw:\n{}",
+        describe(&out)
+    );
     assert!(mount_type_and_options(m.root()).1.starts_with("rw,"));
     fs::write(m.path("g"), b"after").unwrap();
     // `birchfs mount -o remount,ro` does the same; then the daemon dies.

@@ -8,11 +8,12 @@ use anyhow::{bail, Context, Result};
 
 /// The remount that `options` (which hold `remount`) ask for, as mount(2) flags
 /// (MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_NOATIME, MS_NODIRATIME,
-/// MS_SYNCHRONOUS). mount(8) passes the
-/// mount's options as the mount table shows them: the kernel's FUSE ones and
-/// `relatime` are taken as they are; birchfs's own (`cache_size=` and the like) stay
-/// as mounted; a later flag overrides an earlier one.
-pub(crate) fn parse(options: &[String]) -> Result<libc::c_ulong> {
+/// MS_SYNCHRONOUS), and birchfs's own options among them (`cache_size=` and the
+/// like), which stay as mounted. mount(8) passes the mount's options as the mount
+/// table shows them: the kernel's FUSE ones and `relatime` are taken as they are; a
+/// later flag overrides an earlier one.
+fn parse(options: &[String]) -> Result<(libc::c_ulong, Vec<String>)> {
+    let mut own = Vec::new();
     let mut flags = 0;
     let mut set = |flag: libc::c_ulong, on: bool| {
         if on {
@@ -44,10 +45,51 @@ pub(crate) fn parse(options: &[String]) -> Result<libc::c_ulong> {
                 // malformed one is still an error.
                 super::options::parse_mount_options(&[o.to_owned()])
                     .with_context(|| format!("remount: option '{o}'"))?;
+                own.push(o.to_owned());
             }
         }
     }
-    Ok(flags)
+    Ok((flags, own))
+}
+
+/// The `-o` options in a command line (`/proc/PID/cmdline`'s NUL-separated words):
+/// each `-o LIST` and `-oLIST`, split at commas.
+fn options_in_cmdline(cmdline: &[u8]) -> Vec<String> {
+    let words: Vec<String> = cmdline
+        .split(|&b| b == 0)
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    let mut out = Vec::new();
+    let mut it = words.iter();
+    while let Some(w) = it.next() {
+        let list = match w.strip_prefix("-o") {
+            Some("") => it.next().map(String::as_str),
+            Some(rest) => Some(rest),
+            None => None,
+        };
+        out.extend(
+            list.into_iter()
+                .flat_map(|l| l.split(','))
+                .map(str::to_owned),
+        );
+    }
+    out
+}
+
+/// birchfs's own options among `given` that the daemon serving `image` was not
+/// started with: a remount leaves them as mounted, so they change nothing. `None`
+/// when the daemon's command line cannot be read.
+fn not_applied(image: &Path, given: &[String]) -> Option<Vec<String>> {
+    let pid = super::umount::lock_holder(&std::fs::metadata(image).ok()?)?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let running = options_in_cmdline(&cmdline);
+    Some(
+        given
+            .iter()
+            .filter(|o| !running.contains(o))
+            .cloned()
+            .collect(),
+    )
 }
 
 /// Remounts the birchfs at `mountpoint` (which must hold `image`) as `options` say.
@@ -55,7 +97,7 @@ pub(crate) fn parse(options: &[String]) -> Result<libc::c_ulong> {
 /// then commits, so that the image is whole while the mount stays read-only.
 pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
-    let want = parse(options)?;
+    let (want, own) = parse(options)?;
     let ro = want & libc::MS_RDONLY != 0;
     let mounted = super::umount::image_mounted_at(mountpoint)?;
     if !super::umount::same_path(image, &mounted) {
@@ -96,6 +138,19 @@ pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Re
             std::io::Error::last_os_error()
         );
     }
+    let ignored = match own.is_empty() {
+        true => Vec::new(),
+        false => not_applied(image, &own).unwrap_or(own),
+    };
+    if !ignored.is_empty() {
+        eprintln!(
+            "birchfs: warning: {} not applied: a remount changes only the generic flags \
+             (ro, rw, nosuid, nodev, noexec, noatime, sync), and {} keeps the options it \
+             was mounted with until it is unmounted and mounted again",
+            ignored.join(","),
+            mountpoint.display()
+        );
+    }
     if ro {
         let done = crate::sync_cmd(mountpoint)
             .with_context(|| format!("{} is read-only now, but", mountpoint.display()))?;
@@ -124,12 +179,27 @@ mod tests {
         let r = parse(&opts(
             "ro,relatime,remount,user_id=0,group_id=0,default_permissions,allow_other,dev,suid",
         ))
-        .unwrap();
+        .unwrap()
+        .0;
         assert_eq!(r, libc::MS_RDONLY);
-        let r = parse(&opts("rw,nosuid,nodev,remount,cache_size=1G,noexec,exec")).unwrap();
+        let r = parse(&opts("rw,nosuid,nodev,remount,cache_size=1G,noexec,exec"))
+            .unwrap()
+            .0;
         assert_eq!(r, libc::MS_NOSUID | libc::MS_NODEV);
-        let r = parse(&opts("remount,noatime,sync,ro,rw")).unwrap();
+        let r = parse(&opts("remount,noatime,sync,ro,rw")).unwrap().0;
         assert_eq!(r, libc::MS_NOATIME | libc::MS_SYNCHRONOUS);
+    }
+
+    #[test]
+    fn birchfs_own_options_on_a_remount_are_told_apart_from_the_running_ones() {
+        let (_, own) = parse(&opts("remount,ro,cache_size=1G,user_id=0,commit=5")).unwrap();
+        assert_eq!(own, ["cache_size=1G", "commit=5"]);
+        let cmdline = b"birchfs\0/img\0/mnt\0-o\0rw,commit=5,cache_size=256M\0-othreads=2\0";
+        assert_eq!(
+            options_in_cmdline(cmdline),
+            ["rw", "commit=5", "cache_size=256M", "threads=2"]
+        );
+        assert!(options_in_cmdline(b"birchfs\0mount\0/img\0/mnt\0").is_empty());
     }
 
     #[test]

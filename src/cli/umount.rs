@@ -235,6 +235,19 @@ pub(crate) fn flock_holder(locks: &str, major: u32, minor: u32, ino: u64) -> Opt
     })
 }
 
+/// The process holding the lock of the image whose metadata is `md` (its daemon),
+/// if /proc/locks names one.
+pub(crate) fn lock_holder(md: &std::fs::Metadata) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    flock_holder(
+        &locks,
+        libc::major(md.dev()),
+        libc::minor(md.dev()),
+        md.ino(),
+    )
+}
+
 /// The daemon that holds an image's lock, watched through a pidfd so that its exit
 /// is seen even if another process takes the lock right after it.
 struct Daemon {
@@ -246,15 +259,7 @@ impl Daemon {
     /// The holder of `image`'s lock, if /proc/locks names one that can be watched.
     fn of(image: &std::fs::File) -> Option<Daemon> {
         use std::os::fd::FromRawFd;
-        use std::os::unix::fs::MetadataExt;
-        let md = image.metadata().ok()?;
-        let locks = std::fs::read_to_string("/proc/locks").ok()?;
-        let pid = flock_holder(
-            &locks,
-            libc::major(md.dev()),
-            libc::minor(md.dev()),
-            md.ino(),
-        )?;
+        let pid = lock_holder(&image.metadata().ok()?)?;
         // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
         if fd < 0 {
