@@ -1593,6 +1593,26 @@ mod tests {
         }
     }
 
+    /// A request from root.
+    fn caller_root() -> Caller {
+        Caller {
+            uid: 0,
+            gid: 0,
+            pid: 1,
+        }
+    }
+
+    /// A request from a user who is neither root nor the one who mounted.
+    fn caller_not_mounter() -> Caller {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        Caller {
+            uid: if me == 65534 { 65533 } else { 65534 },
+            gid: 65534,
+            pid: 1,
+        }
+    }
+
     /// FITRIM answers the bytes trimmed in the range it was given, to root and to the
     /// user who mounted only; a short argument is EINVAL and any other ioctl ENOTTY.
     #[test]
@@ -1601,11 +1621,7 @@ mod tests {
             fs, ffs, tx, rx, ..
         } = created(64 << 20);
         let r = || Reply(tx.clone());
-        let root = Caller {
-            uid: 0,
-            gid: 0,
-            pid: 1,
-        };
+        let root = caller_root();
         let arg = abi::fstrim_range_bytes(0, u64::MAX, 0);
         ffs.ioctl(&root, ROOT_INO, abi::FITRIM, &arg, 24, r());
         let Got::Ioctl(0, out) = rx.recv().unwrap() else {
@@ -1616,13 +1632,7 @@ mod tests {
         let free = fs.statfs().bfree * 4096;
         assert_eq!(trimmed, free, "answered other than the free space");
         assert!(trimmed > 32 << 20, "trimmed {trimmed}");
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
-        let other = Caller {
-            uid: if me == 65534 { 65533 } else { 65534 },
-            gid: 65534,
-            pid: 1,
-        };
+        let other = caller_not_mounter();
         ffs.ioctl(&other, ROOT_INO, abi::FITRIM, &arg, 24, r());
         assert_eq!(rx.recv().unwrap(), Got::Err(libc::EPERM));
         ffs.ioctl(&root, ROOT_INO, abi::FITRIM, &arg[..16], 24, r());
@@ -1646,11 +1656,7 @@ mod tests {
             fs, ffs, tx, rx, ..
         } = created(64 << 20);
         let r = || Reply(tx.clone());
-        let root = Caller {
-            uid: 0,
-            gid: 0,
-            pid: 1,
-        };
+        let root = caller_root();
         let ask = |op: u64, size: u64| {
             let arg = abi::three_u64s([op, size, 0]);
             ffs.ioctl(&root, ROOT_INO, abi::BIRCHFS_IOC_RESIZE, &arg, 24, r());
@@ -1677,13 +1683,7 @@ mod tests {
         fs.write(f.ino, 0, &data).unwrap();
         fs.fsync(f.ino, false).unwrap();
         assert!(fs.read(f.ino, 0, data.len() as u32).unwrap() == data);
-        // SAFETY: geteuid has no preconditions.
-        let me_uid = unsafe { libc::geteuid() };
-        let other = Caller {
-            uid: if me_uid == 65534 { 65533 } else { 65534 },
-            gid: 65534,
-            pid: 1,
-        };
+        let other = caller_not_mounter();
         let arg = abi::three_u64s([abi::RESIZE_QUERY, 0, 0]);
         ffs.ioctl(&other, ROOT_INO, abi::BIRCHFS_IOC_RESIZE, &arg, 24, r());
         assert_eq!(rx.recv().unwrap(), Got::Err(libc::EPERM));
