@@ -86,10 +86,24 @@ fn not_applied(image: &Path, given: &[String]) -> Option<Vec<String>> {
     Some(
         given
             .iter()
-            .filter(|o| !running.contains(o))
+            .filter(|o| !running.iter().any(|r| same_option(o, r)))
             .cloned()
             .collect(),
     )
+}
+
+/// Whether two options say the same: equal, or the same key with values that are
+/// the same size (`cache_size=256M` and `cache_size=268435456`).
+fn same_option(a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    match (a.split_once('='), b.split_once('=')) {
+        (Some((ka, va)), Some((kb, vb))) if ka == kb => {
+            matches!((crate::parse_size(va), crate::parse_size(vb)), (Ok(x), Ok(y)) if x == y)
+        }
+        _ => false,
+    }
 }
 
 /// Remounts the birchfs at `mountpoint` (which must hold `image`) as `options` say.
@@ -200,6 +214,11 @@ mod tests {
             ["rw", "commit=5", "cache_size=256M", "threads=2"]
         );
         assert!(options_in_cmdline(b"birchfs\0mount\0/img\0/mnt\0").is_empty());
+        assert!(same_option("cache_size=256M", "cache_size=268435456"));
+        assert!(same_option("commit=5", "commit=5"));
+        assert!(!same_option("cache_size=256M", "cache_size=1G"));
+        assert!(!same_option("cache_size=256M", "folio_size=256M"));
+        assert!(!same_option("ro", "rw"));
     }
 
     #[test]
