@@ -233,16 +233,13 @@ fn resize_cmd(target: &Path, size: &str) -> Result<(u64, u64)> {
         );
         return resize_mounted(&mp, size);
     }
-    let mut dev = open_when_free(target, true)
+    let dev = open_when_free(target, true)
         .with_context(|| format!("cannot open {}", target.display()))?;
     let sb =
         Fs::superblock_of(&dev).with_context(|| format!("cannot open {}", target.display()))?;
     let from = sb.total_bytes;
     let to = resize_target(target, size, from, dev.size(), dev.is_block_device())?;
-    if to > dev.size() {
-        dev.resize(to)
-            .with_context(|| format!("cannot lengthen {}", target.display()))?;
-    }
+    // The grow lengthens an image file itself, as it does for a mount.
     let fs = unmounted_fs(dev, target)?;
     fs.grow(to)
         .with_context(|| format!("cannot grow {}", target.display()))?;

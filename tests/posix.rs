@@ -5464,6 +5464,16 @@ fn seek_data_and_hole_through_the_mount() {
     m.unmount();
 }
 
+/// Appends `chunk` to `f`, each time with an fsync, until the filesystem refuses
+/// (or 200 MiB are in); returns the bytes that went in whole.
+fn fill_until_refused(f: &mut File, chunk: &[u8]) -> u64 {
+    let mut written = 0u64;
+    while written < 200 << 20 && f.write_all(chunk).and_then(|()| f.sync_all()).is_ok() {
+        written += chunk.len() as u64;
+    }
+    written
+}
+
 /// `birchfs resize` of a mounted filesystem grows it in place, given the mount point
 /// or the image: a writer refused for want of space goes on in the new space with the
 /// same open file, `df` shows the new size at once, and the image checks clean after
@@ -5475,10 +5485,7 @@ fn birchfs_resize_grows_a_mounted_filesystem() {
     m.mount();
     let chunk = mib_data(4, 31);
     let mut f = File::create(m.path("log")).unwrap();
-    let mut written = 0u64;
-    while written < 200 * MIB && f.write_all(&chunk).and_then(|()| f.sync_all()).is_ok() {
-        written += chunk.len() as u64;
-    }
+    let written = fill_until_refused(&mut f, &chunk);
     assert!(
         written < 64 * MIB,
         "a 64 MiB filesystem took {written} bytes"
@@ -5546,10 +5553,7 @@ fn birchfs_resize_grows_a_full_filesystem() {
     m.mount();
     let first = mib_data(8, 21);
     let mut f = File::create(m.path("first")).unwrap();
-    let mut written = 0u64;
-    while written < 200 * MIB && f.write_all(&first).and_then(|()| f.sync_all()).is_ok() {
-        written += first.len() as u64;
-    }
+    let written = fill_until_refused(&mut f, &first);
     drop(f);
     assert!(
         written < 64 * MIB,
