@@ -1034,9 +1034,9 @@ impl FuseFs {
 
     /// FITRIM (`fstrim`), for root or the user who mounted: discards the free space
     /// in the range asked for and answers how much. [`abi::BIRCHFS_IOC_RESIZE`], for
-    /// them too: reports the sizes or grows the filesystem ([`FuseFs::resize`]). [`abi::BIRCHFS_IOC_SYNC`], for
-    /// anyone (as sync(2) is): commits what birchfs holds and answers whether it
-    /// reached the disk. Every other ioctl gets ENOTTY,
+    /// them too: reports the sizes or grows the filesystem ([`FuseFs::resize`]).
+    /// [`abi::BIRCHFS_IOC_SYNC`], for anyone (as sync(2) is): commits what birchfs
+    /// holds and answers whether it reached the disk. Every other ioctl gets ENOTTY,
     /// what a kernel filesystem answers for a command it does not know (FICLONE and
     /// the like never reach a FUSE server).
     pub(crate) fn ioctl(
