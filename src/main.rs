@@ -641,17 +641,23 @@ fn mkfs_on(
     Ok(())
 }
 
+/// The tracing target of what the daemon does on a signal.
+pub(crate) const SIGNAL_TARGET: &str = "birchfs::signal";
+
 /// Sends tracing output to `log`, or to stderr.
 fn init_logging(log: Option<&Path>) -> Result<()> {
     // fuser warns at every unmount made from outside (its own unmount then finds
-    // nothing mounted); its other session messages are errors. A BIRCHFS_LOG that
-    // names fuser itself decides alone.
+    // nothing mounted); its other session messages are errors. What the daemon does on
+    // a signal is logged at any level (a user asked for it, SIGUSR1's counters
+    // above all). A BIRCHFS_LOG that names either target decides alone for it.
     let asked = std::env::var("BIRCHFS_LOG").unwrap_or_else(|_| "warn".into());
-    let spec = if asked.contains("fuser") {
-        asked
-    } else {
-        format!("{asked},fuser::session=error")
-    };
+    let mut spec = asked.clone();
+    if !asked.contains("fuser") {
+        spec.push_str(",fuser::session=error");
+    }
+    if !asked.contains(SIGNAL_TARGET) {
+        spec.push_str(&format!(",{SIGNAL_TARGET}=info"));
+    }
     let filter = tracing_subscriber::EnvFilter::try_new(&spec)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,fuser::session=error"));
     let b = tracing_subscriber::fmt().with_env_filter(filter);

@@ -5051,6 +5051,60 @@ fn birchfs_umount_gives_up_after_its_timeout() {
     assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
 }
 
+/// SIGUSR1 makes the daemon log its counters and SIGUSR2 is only logged (their
+/// default would end it and leave a dead mount); SIGHUP unmounts cleanly, with
+/// everything written kept.
+#[test]
+fn the_daemon_logs_its_counters_on_sigusr1_and_unmounts_on_sighup() {
+    let mut m = Mount::unmounted("256M");
+    m.log_to_file();
+    m.mount();
+    fs::write(m.path("before"), b"one").unwrap();
+    let pids = processes_naming(m.image());
+    assert_eq!(pids.len(), 1, "daemons: {pids:?}");
+    let signal = |sig| {
+        // SAFETY: kill on the daemon's pid, found in /proc.
+        assert_eq!(unsafe { libc::kill(pids[0] as i32, sig) }, 0);
+    };
+    signal(libc::SIGUSR1);
+    signal(libc::SIGUSR2);
+    let logged = |m: &Mount, what: &str| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !m.daemon_log().contains(what) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never logged {what:?}:\n{}",
+                m.daemon_log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    logged(
+        &m,
+        &format!("signal {}: stats {{\"readonly\":false,", libc::SIGUSR1),
+    );
+    logged(&m, &format!("signal {}: ignored", libc::SIGUSR2));
+    fs::write(m.path("after"), b"two").unwrap();
+    assert_eq!(fs::read(m.path("before")).unwrap(), b"one");
+    assert_eq!(processes_naming(m.image()), pids, "the daemon changed");
+    signal(libc::SIGHUP);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while is_mounted_at(m.root()) || !image_unlocked(m.image()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "SIGHUP did not unmount"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    m.mark_unmounted();
+    logged(&m, &format!("signal {}: unmounting", libc::SIGHUP));
+    let c = m.check();
+    assert_eq!(c.status.code(), Some(0), "check:\n{}", describe(&c));
+    m.mount();
+    assert_eq!(fs::read(m.path("before")).unwrap(), b"one");
+    assert_eq!(fs::read(m.path("after")).unwrap(), b"two");
+}
+
 /// `birchfs umount` waits for the daemon it unmounted, not for the image's lock: when
 /// another process takes the lock as the daemon ends, it still returns.
 #[test]

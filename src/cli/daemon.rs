@@ -15,7 +15,7 @@ use birchfs::fuse::{uring, FuseFs};
 use birchfs::Fs;
 
 use crate::cli::options::{parse_mount_options, UringMode};
-use crate::open_when_free;
+use crate::{open_when_free, SIGNAL_TARGET};
 
 /// Starts the daemon in the background and waits until it reports the mount ready.
 pub(crate) fn mount_background(args: &[std::ffi::OsString]) -> Result<()> {
@@ -282,15 +282,41 @@ fn mount_serve(
     };
     drop(served);
     let mut unmounter = session.unmount_callable();
-    let mut signals =
-        signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    // SIGUSR1 and SIGUSR2 would end the daemon (their default) and leave a dead
+    // mount: SIGUSR1 logs the counters instead (as dd prints its progress), SIGUSR2
+    // is only logged.
+    let mut signals = signal_hook::iterator::Signals::new([
+        libc::SIGINT,
+        libc::SIGTERM,
+        libc::SIGHUP,
+        libc::SIGUSR1,
+        libc::SIGUSR2,
+    ])?;
+    let stats_of = Arc::downgrade(&fs);
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
-            if let Some(sig) = signals.forever().next() {
-                tracing::info!("signal {sig}: unmounting");
-                if let Err(e) = unmounter.unmount() {
-                    tracing::error!("unmount on signal failed: {e}");
+            let mut unmounting = false;
+            for sig in signals.forever() {
+                match sig {
+                    libc::SIGUSR1 => match stats_of.upgrade() {
+                        Some(fs) => {
+                            let stats = fs.stats().to_json();
+                            tracing::info!(target: SIGNAL_TARGET, "signal {sig}: stats {stats}")
+                        }
+                        None => tracing::info!(target: SIGNAL_TARGET, "signal {sig}: no stats"),
+                    },
+                    libc::SIGUSR2 => tracing::info!(target: SIGNAL_TARGET, "signal {sig}: ignored"),
+                    _ if unmounting => {
+                        tracing::info!(target: SIGNAL_TARGET, "signal {sig}: unmounting already")
+                    }
+                    _ => {
+                        tracing::info!(target: SIGNAL_TARGET, "signal {sig}: unmounting");
+                        unmounting = true;
+                        if let Err(e) = unmounter.unmount() {
+                            tracing::error!("unmount on signal failed: {e}");
+                        }
+                    }
                 }
             }
         })
