@@ -1761,6 +1761,42 @@ fn umask_is_applied_exactly_once() {
     m.unmount();
 }
 
+/// What a user makes in a setgid directory (open with O_CREAT, mkdir, mkfifo,
+/// symlink) takes the directory's group, and a new directory its setgid bit, as on
+/// a kernel filesystem; elsewhere the user's own group.
+#[test]
+fn a_setgid_directory_gives_its_group_to_what_is_made_in_it() {
+    let mut m = Mount::new();
+    for (d, mode) in [("shared", 0o2777), ("plain", 0o777)] {
+        fs::create_dir(m.path(d)).unwrap();
+        chown(&m.path(d), 0, 4242).unwrap();
+        chmod(&m.path(d), mode).unwrap();
+    }
+    let out = m.as_user(
+        1000,
+        1000,
+        "for d in shared plain; do touch $d/f && mkdir $d/d && mkfifo $d/p \
+         && ln -s f $d/l || exit 1; done",
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    let check = |m: &Mount| {
+        for (d, gid) in [("shared", 4242), ("plain", 1000)] {
+            for n in ["f", "d", "p", "l"] {
+                let st = lstat(&m.path(format!("{d}/{n}")));
+                assert_eq!((st.uid(), st.gid()), (1000, gid), "owner of {d}/{n}");
+            }
+            let sub = stat(&m.path(format!("{d}/d"))).mode();
+            assert_eq!(sub & libc::S_ISGID != 0, d == "shared", "{d}/d: {sub:o}");
+            let f = stat(&m.path(format!("{d}/f"))).mode();
+            assert_eq!(f & libc::S_ISGID, 0, "{d}/f: {f:o}");
+        }
+    };
+    check(&m);
+    m.remount();
+    check(&m);
+    m.unmount();
+}
+
 // ---------------------------------------------------------------------------
 // timestamps
 // ---------------------------------------------------------------------------

@@ -89,9 +89,38 @@ impl Inner {
         Ok(i)
     }
 
+    /// The entries of live directory `dir` that share `name`'s dir item (its hash).
+    fn dir_item(&mut self, dir: u64, name: &[u8]) -> Result<Vec<DirEntry>> {
+        match self.store.search(tree::FS, &dir_item_key(dir, name))? {
+            Some(v) => {
+                decode_dir_entries(&v).ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))
+            }
+            None => Ok(Vec::new()),
+        }
+    }
+
     fn add_entry(&mut self, dir: u64, name: &[u8], ino: u64, dtype: u8) -> Result<()> {
-        let now = Timespec::now();
         let mut d = self.get_inode(dir)?;
+        let list = self.dir_item(dir, name)?;
+        self.add_entry_to(dir, &mut d, list, name, ino, dtype, false)
+    }
+
+    /// Adds `name` for `ino` to directory `dir`, given what the caller read under the
+    /// same lock: `d`, the directory's inode item (stored here with the change, so
+    /// the caller may change it too), and `list`, its dir item for `name`
+    /// ([`Inner::dir_item`]). `fresh`: `ino` was just made and has no names yet.
+    #[allow(clippy::too_many_arguments)]
+    fn add_entry_to(
+        &mut self,
+        dir: u64,
+        d: &mut InodeItem,
+        mut list: Vec<DirEntry>,
+        name: &[u8],
+        ino: u64,
+        dtype: u8,
+        fresh: bool,
+    ) -> Result<()> {
+        let now = Timespec::now();
         let index = d.next_index.get();
         d.next_index = (index + 1).into();
         d.size = (d.size.get() + name.len() as u64 * 2).into();
@@ -104,18 +133,18 @@ impl Inner {
             name: name.to_vec(),
         };
         let ik = dir_item_key(dir, name);
-        let mut list = match self.store.search(tree::FS, &ik)? {
-            Some(v) => decode_dir_entries(&v)
-                .ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))?,
-            None => Vec::new(),
-        };
         list.push(entry.clone());
         let enc = encode_dir_entries(&list);
         if enc.len() > self.store.max_item_size() {
             return Err(Error::NoSpace);
         }
         let rk = inode_ref_key(ino, dir);
-        let mut refs = match self.store.search(tree::FS, &rk)? {
+        let found = if fresh {
+            None
+        } else {
+            self.store.search(tree::FS, &rk)?
+        };
+        let mut refs = match found {
             Some(v) => decode_inode_refs(&v)
                 .ok_or_else(|| Error::corrupt("inode ref", ino, "malformed"))?,
             None => Vec::new(),
@@ -137,7 +166,7 @@ impl Inner {
             encode_dir_entries(&[entry]),
         )?;
         self.store.insert(tree::FS, rk, renc)?;
-        self.put_inode(dir, &mut d)?;
+        self.put_inode(dir, d)?;
         // A directory's entries are its data: fdatasync of it needs them.
         self.store.log.mark_data(dir);
         Ok(())
@@ -204,6 +233,9 @@ impl Inner {
         self.getattr(ino)
     }
 
+    /// Makes a node `name` in `parent`, owned by `cr`, except that under a setgid
+    /// directory it takes the directory's group (and a new directory its setgid bit),
+    /// as on a kernel filesystem.
     pub(crate) fn create_node(
         &mut self,
         parent: u64,
@@ -214,17 +246,27 @@ impl Inner {
         target: Option<&[u8]>,
     ) -> Result<Attr> {
         check_name(name)?;
-        let p = self.dir_inode(parent)?;
+        let mut p = self.dir_inode(parent)?;
         if p.nlink.get() == 0 {
             return Err(Error::NotFound);
         }
-        if name == b"."
-            || name == b".."
-            || is_reserved(parent, name)
-            || self.find_entry(parent, name)?.is_some()
-        {
+        if name == b"." || name == b".." || is_reserved(parent, name) {
             return Err(Error::Exists);
         }
+        let list = self.dir_item(parent, name)?;
+        if list.iter().any(|e| e.name == name) {
+            return Err(Error::Exists);
+        }
+        let (cr, mode) = if p.mode.get() & libc::S_ISGID != 0 {
+            let dir = mode & libc::S_IFMT == libc::S_IFDIR;
+            let cr = Creds {
+                gid: p.gid.get(),
+                ..cr
+            };
+            (cr, if dir { mode | libc::S_ISGID } else { mode })
+        } else {
+            (cr, mode)
+        };
         if let Some(t) = target {
             if t.is_empty() {
                 return Err(Error::NotFound);
@@ -248,10 +290,10 @@ impl Inner {
             item.size = (t.len() as u64).into();
             self.put_inode(ino, &mut item)?;
         }
-        self.add_entry(parent, name, ino, kind.dtype())?;
         if kind == FileKind::Dir {
-            self.update_inode(parent, |p| p.nlink = (p.nlink.get() + 1).into())?;
+            p.nlink = (p.nlink.get() + 1).into();
         }
+        self.add_entry_to(parent, &mut p, list, name, ino, kind.dtype(), true)?;
         // A new inode and its name are what any read of it needs first.
         self.store.log.mark_data(ino);
         self.attr_of(ino, &item)

@@ -901,6 +901,34 @@ impl Fs {
         cr: Creds,
         umask: u32,
     ) -> Result<Attr> {
+        self.create_pinned(parent, name, mode, rdev, cr, umask, false)
+    }
+
+    /// [`Fs::create_inheriting`] of a file that is opened at once: the new inode
+    /// comes back pinned as by [`Fs::open_ino`] (one [`Fs::release`] unpins it).
+    pub fn create_open(
+        &self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        cr: Creds,
+        umask: u32,
+    ) -> Result<Attr> {
+        self.create_pinned(parent, name, mode, 0, cr, umask, true)
+    }
+
+    /// [`Fs::create_inheriting`], pinning the new inode when `pin`.
+    #[allow(clippy::too_many_arguments)]
+    fn create_pinned(
+        &self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u64,
+        cr: Creds,
+        umask: u32,
+        pin: bool,
+    ) -> Result<Attr> {
         let dir = mode & libc::S_IFMT == libc::S_IFDIR;
         if dir && parent == SNAPSHOTS_INO {
             return self.snapshot_create(name);
@@ -908,18 +936,21 @@ impl Fs {
         Self::live_dir(parent)?;
         self.with_space(|i| {
             let inh = i.inherit(parent, mode, umask)?;
-            let a = i.create_node(parent, name, inh.mode, rdev, cr, None)?;
-            if inh.xattrs.is_empty() {
-                return Ok(a);
-            }
-            for (n, v) in &inh.xattrs {
-                if let Err(e) = i.setxattr(a.ino, n, v, false, false) {
-                    // Undone whole, so that a retry after a commit starts afresh.
-                    let _ = i.unlink(parent, name, dir);
-                    return Err(e);
+            let mut a = i.create_node(parent, name, inh.mode, rdev, cr, None)?;
+            if !inh.xattrs.is_empty() {
+                for (n, v) in &inh.xattrs {
+                    if let Err(e) = i.setxattr(a.ino, n, v, false, false) {
+                        // Undone whole, so that a retry after a commit starts afresh.
+                        let _ = i.unlink(parent, name, dir);
+                        return Err(e);
+                    }
                 }
+                a = i.getattr(a.ino)?;
             }
-            i.getattr(a.ino)
+            if pin {
+                i.pin(a.ino, 1);
+            }
+            Ok(a)
         })
     }
 

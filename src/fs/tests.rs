@@ -182,6 +182,52 @@ fn rename_rules() {
     assert_eq!(fs.lookup_nopin(b.ino, b"..").unwrap().ino, a.ino);
 }
 
+/// Under a setgid directory, every new node takes the directory's group and a new
+/// directory its setgid bit too; elsewhere the creator's group stays.
+#[test]
+fn a_setgid_directory_gives_its_group_to_what_is_made_in_it() {
+    let (dev, fs) = mk(64 * MB);
+    let shared = fs.mkdir(ROOT_INO, b"shared", 0o775, cr()).unwrap();
+    fs.setattr(
+        shared.ino,
+        &SetAttr {
+            gid: Some(4242),
+            mode: Some(0o2775),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let plain = fs.mkdir(ROOT_INO, b"plain", 0o775, cr()).unwrap();
+    assert_eq!(plain.gid, 100);
+    for (parent, gid, sgid) in [(shared.ino, 4242, true), (plain.ino, 100, false)] {
+        let f = fs
+            .mknod(parent, b"f", libc::S_IFREG | 0o644, 0, cr())
+            .unwrap();
+        let d = fs.mkdir(parent, b"d", 0o755, cr()).unwrap();
+        let l = fs.symlink(parent, b"l", b"f", cr()).unwrap();
+        let n = fs
+            .create_inheriting(parent, b"n", libc::S_IFIFO | 0o600, 0, cr(), 0o022)
+            .unwrap();
+        for a in [&f, &d, &l, &n] {
+            assert_eq!((a.uid, a.gid), (1000, gid), "{a:?}");
+            assert_eq!(fs.getattr(a.ino).unwrap().gid, gid);
+        }
+        assert_eq!(d.perm & libc::S_ISGID as u16 != 0, sgid, "{d:?}");
+        assert_eq!(f.perm & libc::S_ISGID as u16, 0, "{f:?}");
+        assert_eq!(
+            fs.getattr(parent).unwrap().nlink,
+            3,
+            "the new directory's link"
+        );
+        assert!(fs.lookup(parent, b"f").is_ok() && fs.lookup(parent, b"d").is_ok());
+        assert!(matches!(
+            fs.mknod(parent, b"f", libc::S_IFREG | 0o644, 0, cr()),
+            Err(Error::Exists)
+        ));
+    }
+    assert!(problems_after_unmount(&dev, fs).is_empty());
+}
+
 #[test]
 fn truncate_punch_fallocate() {
     let (_dev, fs) = mk(64 * MB);

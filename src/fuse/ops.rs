@@ -548,20 +548,13 @@ pub(crate) struct SetAttrIn {
 }
 
 impl FuseFs {
-    /// Owner of a new inode: the caller, or the directory's group under setgid.
-    fn creds(&self, c: &Caller, parent: u64) -> (Creds, bool) {
-        let mut cr = Creds {
+    /// Owner of a new inode: the caller (under a setgid directory, the filesystem
+    /// gives it the directory's group).
+    fn creds(c: &Caller) -> Creds {
+        Creds {
             uid: c.uid,
             gid: c.gid,
-        };
-        let mut sgid = false;
-        if let Ok(p) = self.fs.getattr(parent) {
-            if p.perm & libc::S_ISGID as u16 != 0 {
-                cr.gid = p.gid;
-                sgid = true;
-            }
         }
-        (cr, sgid)
     }
 
     /// The set-id bits a change by `c` clears from `ino` (`None`: nothing to clear):
@@ -626,9 +619,7 @@ impl FuseFs {
         }
     }
 
-    /// Creates a node; directories under a setgid directory inherit the bit. With
-    /// ACLs the kernel leaves the caller's `umask` (or the parent's default ACL) to
-    /// us; without, it has applied the umask already.
+    /// Creates a node for caller `c`, with `umask` as [`FuseFs::umask`] says.
     fn make(
         &self,
         c: &Caller,
@@ -638,14 +629,19 @@ impl FuseFs {
         rdev: u64,
         umask: u32,
     ) -> crate::Result<Attr> {
-        let (cr, sgid) = self.creds(c, parent);
-        let mut mode = mode;
-        if sgid && mode & libc::S_IFMT == libc::S_IFDIR {
-            mode |= libc::S_ISGID;
-        }
-        let umask = if self.acls_on() { umask } else { 0 };
         self.fs
-            .create_inheriting(parent, name, mode, rdev, cr, umask)
+            .create_inheriting(parent, name, mode, rdev, Self::creds(c), self.umask(umask))
+    }
+
+    /// The umask a create applies: the caller's with ACLs on (the kernel leaves it to
+    /// the filesystem then, for a default ACL replaces it), else none (the kernel
+    /// applied it).
+    fn umask(&self, umask: u32) -> u32 {
+        if self.acls_on() {
+            umask
+        } else {
+            0
+        }
     }
 
     fn acls_on(&self) -> bool {
@@ -821,8 +817,7 @@ impl FuseFs {
         reply: impl AnswerEntry,
     ) {
         let p = to_ino(parent);
-        let (cr, _) = self.creds(c, p);
-        self.entry(self.fs.symlink(p, name, target, cr), reply)
+        self.entry(self.fs.symlink(p, name, target, Self::creds(c)), reply)
     }
 
     /// `flags` are rename2's RENAME_* bits.
@@ -846,10 +841,10 @@ impl FuseFs {
                 return reply.error(err(libc::EINVAL));
             }
             let (p, np) = (to_ino(parent), to_ino(newparent));
-            let (cr, _) = self.creds(c, p);
             let noreplace = flags & libc::RENAME_NOREPLACE != 0;
             return empty(
-                self.fs.rename_whiteout(p, name, np, newname, noreplace, cr),
+                self.fs
+                    .rename_whiteout(p, name, np, newname, noreplace, Self::creds(c)),
                 reply,
             );
         }
@@ -1331,12 +1326,13 @@ impl FuseFs {
         flags: i32,
         reply: impl AnswerCreate,
     ) {
-        let r = self
-            .make(c, to_ino(parent), name, mode, 0, umask)
-            .and_then(|a| {
-                self.fs.open_ino(a.ino)?;
-                Ok(a)
-            });
+        let r = self.fs.create_open(
+            to_ino(parent),
+            name,
+            mode,
+            Self::creds(c),
+            self.umask(umask),
+        );
         match r {
             Ok(a) => {
                 self.direct.created(a.ino);
