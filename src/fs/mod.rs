@@ -891,7 +891,9 @@ impl Fs {
 
     /// Creates a node as a FUSE request asks, with the caller's `umask`: the parent's
     /// default POSIX ACL, if it has one, gives the node its ACLs and masks its mode
-    /// instead of the umask (see `acl`). Directories when `mode` says so.
+    /// instead of the umask (see `acl`). Directories when `mode` says so. Under a
+    /// setgid directory the node takes the directory's group, not `cr.gid` (and a
+    /// directory the setgid bit), as every create here does.
     pub fn create_inheriting(
         &self,
         parent: u64,
