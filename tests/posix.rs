@@ -5075,14 +5075,10 @@ fn birchfs_umount_gives_up_after_its_timeout() {
     );
     assert!(took < Duration::from_secs(10), "gave up after {took:?}");
     assert!(!is_mounted_at(m.root()), "still mounted");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !image_unlocked(m.image()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the daemon never ended"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    assert!(
+        wait_until(Duration::from_secs(30), || image_unlocked(m.image())),
+        "the daemon never ended"
+    );
     m.mount();
     assert_eq!(fs::read(m.path("f")).unwrap(), b"kept");
 }
@@ -5105,15 +5101,11 @@ fn the_daemon_logs_its_counters_on_sigusr1_and_unmounts_on_sighup() {
     signal(libc::SIGUSR1);
     signal(libc::SIGUSR2);
     let logged = |m: &Mount, what: &str| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while !m.daemon_log().contains(what) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "never logged {what:?}:\n{}",
-                m.daemon_log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        assert!(
+            wait_until(Duration::from_secs(10), || m.daemon_log().contains(what)),
+            "never logged {what:?}:\n{}",
+            m.daemon_log()
+        );
     };
     logged(
         &m,
@@ -5124,14 +5116,11 @@ fn the_daemon_logs_its_counters_on_sigusr1_and_unmounts_on_sighup() {
     assert_eq!(fs::read(m.path("before")).unwrap(), b"one");
     assert_eq!(processes_naming(m.image()), pids, "the daemon changed");
     signal(libc::SIGHUP);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while is_mounted_at(m.root()) || !image_unlocked(m.image()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "SIGHUP did not unmount"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    assert!(
+        wait_until(Duration::from_secs(30), || !is_mounted_at(m.root())
+            && image_unlocked(m.image())),
+        "SIGHUP did not unmount"
+    );
     m.mark_unmounted();
     logged(&m, &format!("signal {}: unmounting", libc::SIGHUP));
     let c = m.check();
@@ -5157,11 +5146,10 @@ fn birchfs_umount_returns_when_its_daemon_ends_though_another_takes_the_lock() {
             Duration::from_secs(20),
         )
     });
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while is_mounted_at(m.root()) {
-        assert!(std::time::Instant::now() < deadline, "never unmounted");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    assert!(
+        wait_until(Duration::from_secs(10), || !is_mounted_at(m.root())),
+        "never unmounted"
+    );
     // The daemon dies (a crash while stopped); this test takes the lock at once.
     // SAFETY: as above.
     unsafe { libc::kill(pids[0] as i32, libc::SIGKILL) };

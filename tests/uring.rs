@@ -282,14 +282,10 @@ fn a_queue_that_cannot_be_registered_sends_the_kernel_back_to_dev_fuse() {
         fs::write(root.join("f"), b"through /dev/fuse").unwrap();
         fs::read(root.join("f")).unwrap()
     });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !worker.is_finished() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "requests hang: the kernel still waits for the io_uring queues"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    assert!(
+        wait_until(std::time::Duration::from_secs(30), || worker.is_finished()),
+        "requests hang: the kernel still waits for the io_uring queues"
+    );
     assert_eq!(worker.join().unwrap(), b"through /dev/fuse");
     assert_eq!(uring_requests(&m), 0, "the queues never served a request");
 }

@@ -152,9 +152,10 @@ pub(crate) fn remount(image: &Path, mountpoint: &Path, options: &[String]) -> Re
             std::io::Error::last_os_error()
         );
     }
-    let ignored = match own.is_empty() {
-        true => Vec::new(),
-        false => not_applied(image, &own).unwrap_or(own),
+    let ignored = if own.is_empty() {
+        own
+    } else {
+        not_applied(image, &own).unwrap_or(own)
     };
     if !ignored.is_empty() {
         eprintln!(

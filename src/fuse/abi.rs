@@ -203,9 +203,10 @@ pub const FITRIM: u32 = 0xc018_5879;
 pub const BIRCHFS_IOC_SYNC: u32 = 0xbf01;
 
 /// birchfs's ioctl that grows a mounted filesystem, on any file or directory of the
-/// mount (root or the user who mounted): _IOWR(0xbf, 2, three u64s). In: an operation ([`RESIZE_QUERY`] or
-/// [`RESIZE_GROW`]) and the size to grow to. Out: the filesystem's size, its device's
-/// size now, and 1 for a block device (0 for an image file), after the grow if any.
+/// mount (root or the user who mounted): _IOWR(0xbf, 2, three u64s). In: an
+/// operation ([`RESIZE_QUERY`] or [`RESIZE_GROW`]) and the size to grow to. Out: the
+/// filesystem's size, its device's size now, and 1 for a block device (0 for an image
+/// file), after the grow if any.
 pub const BIRCHFS_IOC_RESIZE: u32 = 0xc018_bf02;
 
 /// [`BIRCHFS_IOC_RESIZE`] only reports the sizes.

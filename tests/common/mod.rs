@@ -259,7 +259,8 @@ pub fn image_unlocked(image: &Path) -> bool {
     true
 }
 
-fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+/// Polls `done` every 10 ms until it holds (true) or `timeout` passes (false).
+pub fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
         if done() {
