@@ -14,10 +14,10 @@ use zerocopy::FromBytes;
 use crate::dev::BlockDev;
 use crate::error::Result;
 use crate::format::{
-    decode_dir_entries, decode_inode_refs, decode_node, decode_xattrs, kind, objectid, root_flag,
-    tree, ExtentItem, FileExtent, InodeItem, Key, NodeBody, RootItem, SnapshotItem, SnapshotMeta,
-    Superblock, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, FILE_EXTENT_PREALLOC, MAGIC, SUPER_OFFSETS,
-    SUPER_SIZE,
+    decode_dir_entries, decode_inode_extrefs, decode_inode_refs, decode_node, decode_xattrs, kind,
+    objectid, root_flag, tree, ExtentItem, FileExtent, InodeItem, Key, NodeBody, RootItem,
+    SnapshotItem, SnapshotMeta, Superblock, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE,
+    FILE_EXTENT_PREALLOC, MAGIC, SUPER_OFFSETS, SUPER_SIZE,
 };
 use crate::txn::Store;
 
@@ -651,7 +651,7 @@ fn check_namespace(
     file_extents: &[(Key, FileExtent)],
 ) {
     let mut inodes: BTreeMap<u64, InodeItem> = BTreeMap::new();
-    let mut names: HashMap<u64, u64> = HashMap::new(); // ino -> names (INODE_REF)
+    let mut names: HashMap<u64, u64> = HashMap::new(); // ino -> names (INODE_REF, EXTREF)
     let mut subdirs: HashMap<u64, u64> = HashMap::new();
     let mut dir_items: HashSet<(u64, Vec<u8>, u64, u64)> = HashSet::new(); // dir,name,ino,index
     let mut dir_index: HashSet<(u64, Vec<u8>, u64, u64)> = HashSet::new();
@@ -689,6 +689,29 @@ fn check_namespace(
                     }
                 }
                 None => bad(w, "inode ref"),
+            },
+            kind::INODE_EXTREF => match decode_inode_extrefs(v) {
+                Some(l) => {
+                    if w.sb.incompat & crate::format::INCOMPAT_EXTREF == 0 {
+                        w.problem(format!(
+                            "inode {}: extended ref {k:?} in an image without the feature flag",
+                            k.objectid
+                        ));
+                    }
+                    for x in l {
+                        if crate::format::extref_hash(x.parent, &x.name) != k.offset {
+                            w.problem(format!(
+                                "inode {}: extended ref {:?} in dir {} under the wrong hash",
+                                k.objectid,
+                                String::from_utf8_lossy(&x.name),
+                                x.parent
+                            ));
+                        }
+                        *names.entry(k.objectid).or_default() += 1;
+                        refs.insert((k.objectid, x.parent, x.name, x.index));
+                    }
+                }
+                None => bad(w, "inode extref"),
             },
             kind::DIR_ITEM => match decode_dir_entries(v) {
                 Some(l) => {

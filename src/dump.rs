@@ -8,8 +8,8 @@ use zerocopy::FromBytes;
 use crate::dev::BlockDev;
 use crate::error::{Error, Result};
 use crate::format::{
-    decode_dir_entries, decode_inode_refs, decode_node, decode_xattrs, kind, tree, ExtentItem,
-    FileExtent, InodeItem, Key, NodeBody, RootItem, SnapshotItem, SnapshotMeta,
+    decode_dir_entries, decode_inode_extrefs, decode_inode_refs, decode_node, decode_xattrs, kind,
+    tree, ExtentItem, FileExtent, InodeItem, Key, NodeBody, RootItem, SnapshotItem, SnapshotMeta,
 };
 use crate::txn::Store;
 
@@ -49,6 +49,21 @@ fn describe(k: &Key, v: &[u8]) -> String {
                     .join("; ")
             ),
             None => "INODE_REF (malformed)".into(),
+        },
+        kind::INODE_EXTREF => match decode_inode_extrefs(v) {
+            Some(l) => format!(
+                "INODE_EXTREF {}",
+                l.iter()
+                    .map(|x| format!(
+                        "parent {} index {} name {:?}",
+                        x.parent,
+                        x.index,
+                        s(&x.name)
+                    ))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            None => "INODE_EXTREF (malformed)".into(),
         },
         kind::DIR_ITEM | kind::DIR_INDEX => match decode_dir_entries(v) {
             Some(l) => format!(

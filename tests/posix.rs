@@ -561,6 +561,42 @@ fn hard_links() {
     m.unmount();
 }
 
+/// Hundreds of links with long names to one file in one directory (more than one
+/// tree item holds, so most are extended refs): all made through the kernel, all
+/// there after a remount, and removed one by one down to the last.
+#[test]
+fn hundreds_of_long_links_to_one_file_in_one_directory() {
+    let mut m = Mount::new();
+    fs::create_dir(m.path("d")).unwrap();
+    let a = m.path("a");
+    fs::write(&a, b"shared").unwrap();
+    let d = m.path("d");
+    let name = |i: usize| d.join(format!("{i:04}{}", "L".repeat(250)));
+    const N: usize = 300;
+    for i in 0..N {
+        fs::hard_link(&a, name(i)).unwrap();
+    }
+    assert_eq!(stat(&a).nlink() as usize, N + 1);
+    m.remount();
+    assert_eq!(stat(&a).nlink() as usize, N + 1);
+    assert_eq!(fs::read_dir(&d).unwrap().count(), N);
+    for i in (0..N).rev().step_by(3) {
+        assert_eq!(fs::read(name(i)).unwrap(), b"shared");
+        fs::remove_file(name(i)).unwrap();
+    }
+    let left = N - N.div_ceil(3);
+    assert_eq!(stat(&a).nlink() as usize, left + 1);
+    m.remount();
+    assert_eq!(fs::read_dir(&d).unwrap().count(), left);
+    assert_eq!(stat(&a).nlink() as usize, left + 1);
+    for e in fs::read_dir(&d).unwrap() {
+        fs::remove_file(e.unwrap().path()).unwrap();
+    }
+    assert_eq!(stat(&a).nlink(), 1);
+    assert_eq!(fs::read(&a).unwrap(), b"shared");
+    m.unmount();
+}
+
 fn long_symlink_target(len: usize) -> String {
     let mut s = String::new();
     while s.len() + 201 <= len {

@@ -372,6 +372,42 @@ pub(crate) fn decode_inode_refs(buf: &[u8]) -> Option<Vec<InodeRef>> {
     Some(v)
 }
 
+/// One name of an inode in a parent, kept in an INODE_EXTREF item keyed
+/// `(ino, INODE_EXTREF, extref_hash(parent, name))`; names whose hashes collide share it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct InodeExtref {
+    pub(crate) parent: u64,
+    pub(crate) index: u64,
+    pub(crate) name: Vec<u8>,
+}
+
+pub(crate) fn encode_inode_extrefs(refs: &[InodeExtref]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for r in refs {
+        out.extend_from_slice(&r.parent.to_le_bytes());
+        out.extend_from_slice(&r.index.to_le_bytes());
+        out.extend_from_slice(&(r.name.len() as u16).to_le_bytes());
+        out.extend_from_slice(&r.name);
+    }
+    out
+}
+
+pub(crate) fn decode_inode_extrefs(buf: &[u8]) -> Option<Vec<InodeExtref>> {
+    let mut r = Reader::new(buf);
+    let mut v = Vec::new();
+    while !r.is_empty() {
+        let parent = r.u64()?;
+        let index = r.u64()?;
+        let n = r.u16()? as usize;
+        v.push(InodeExtref {
+            parent,
+            index,
+            name: r.bytes(n)?.to_vec(),
+        });
+    }
+    Some(v)
+}
+
 /// One extended attribute.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct XattrEntry {
@@ -478,6 +514,21 @@ mod tests {
             name: b"n".to_vec(),
         }];
         assert_eq!(decode_inode_refs(&encode_inode_refs(&r)).unwrap(), r);
+        let x = vec![
+            InodeExtref {
+                parent: 7,
+                index: 3,
+                name: b"a".to_vec(),
+            },
+            InodeExtref {
+                parent: 1 << 40,
+                index: u64::MAX,
+                name: vec![b'z'; 255],
+            },
+        ];
+        let enc = encode_inode_extrefs(&x);
+        assert_eq!(decode_inode_extrefs(&enc).unwrap(), x);
+        assert_eq!(decode_inode_extrefs(&enc[..enc.len() - 1]), None);
     }
 
     #[test]

@@ -16,8 +16,8 @@ mod node;
 mod superblock;
 
 pub(crate) use item::{
-    decode_dir_entries, decode_inode_refs, decode_xattrs, encode_dir_entries, encode_inode_refs,
-    encode_xattrs, InodeRef,
+    decode_dir_entries, decode_inode_extrefs, decode_inode_refs, decode_xattrs, encode_dir_entries,
+    encode_inode_extrefs, encode_inode_refs, encode_xattrs, InodeExtref, InodeRef,
 };
 pub use item::{
     DirEntry, ExtentItem, FileExtent, InodeItem, RootItem, Timespec, XattrEntry, EXTENT_FLAG_DATA,
@@ -62,8 +62,11 @@ pub const MAX_PREALLOC_SIZE: u64 = 128 << 20;
 pub const MAX_FILE_SIZE: u64 = i64::MAX as u64;
 
 /// Incompatible feature flags this build understands; any other bit refuses the image.
-pub const INCOMPAT_SUPPORTED: u64 =
-    INCOMPAT_BASE | INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES | INCOMPAT_XATTR_CHUNKS;
+pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE
+    | INCOMPAT_LOG_RING
+    | INCOMPAT_CSUM_PIECES
+    | INCOMPAT_XATTR_CHUNKS
+    | INCOMPAT_EXTREF;
 /// Base v1 format: CoW trees, extent refcounts, crc32c checksums, reserved log area.
 pub const INCOMPAT_BASE: u64 = 1;
 /// The log area is a ring: a generation's batches start at the superblock's
@@ -78,6 +81,9 @@ pub const INCOMPAT_CSUM_PIECES: u64 = 4;
 /// An xattr value too large for its XATTR_ITEM is stored in XATTR_CHUNK items, and
 /// its entry names them. Set when the first such value is written.
 pub const INCOMPAT_XATTR_CHUNKS: u64 = 8;
+/// Names of an inode that do not fit its INODE_REF item for a directory are in
+/// INODE_EXTREF items. Set when the first such name is made.
+pub const INCOMPAT_EXTREF: u64 = 16;
 /// Largest xattr value, as Linux limits it (`XATTR_SIZE_MAX`).
 pub const XATTR_SIZE_MAX: usize = 65536;
 
@@ -99,6 +105,9 @@ pub mod kind {
     pub const INODE_ITEM: u8 = 1;
     /// Names an inode goes by, keyed by parent.
     pub const INODE_REF: u8 = 12;
+    /// Names an inode goes by beyond what its INODE_REF for a parent holds, keyed by
+    /// [`extref_hash`](super::extref_hash) of parent and name.
+    pub const INODE_EXTREF: u8 = 13;
     /// Extended attributes, keyed by name hash.
     pub const XATTR_ITEM: u8 = 24;
     /// A piece of an xattr value too large for its XATTR_ITEM, keyed by the base
@@ -170,6 +179,14 @@ pub fn name_hash(name: &[u8]) -> u64 {
     let hi = crc32c::crc32c_append(!0, name) as u64;
     let lo = crc32c::crc32c_append(0x9e37_79b9, name) as u64;
     (hi << 32) | lo
+}
+
+/// 64-bit hash of a parent and a name, the offset of an INODE_EXTREF.
+pub fn extref_hash(parent: u64, name: &[u8]) -> u64 {
+    let mut b = Vec::with_capacity(8 + name.len());
+    b.extend_from_slice(&parent.to_le_bytes());
+    b.extend_from_slice(name);
+    name_hash(&b)
 }
 
 /// Little-endian readers over a byte slice, returning `None` past the end.

@@ -9,8 +9,10 @@ use super::snapshot::{is_reserved, join, split, SNAPSHOTS_INO};
 use super::{Attr, Creds, DirEntryOut, Inner, RenameFlags};
 use crate::error::{Error, Result};
 use crate::format::{
-    decode_dir_entries, decode_inode_refs, encode_dir_entries, encode_inode_refs, kind, name_hash,
-    objectid, tree, DirEntry, InodeItem, InodeRef, Key, Timespec, NAME_MAX, SYMLINK_MAX,
+    decode_dir_entries, decode_inode_extrefs, decode_inode_refs, encode_dir_entries,
+    encode_inode_extrefs, encode_inode_refs, extref_hash, kind, name_hash, objectid, tree,
+    DirEntry, InodeExtref, InodeItem, InodeRef, Key, Timespec, INCOMPAT_EXTREF, NAME_MAX,
+    SYMLINK_MAX,
 };
 
 /// A name a directory entry may have (`.` and `..` are the callers' business).
@@ -34,6 +36,10 @@ fn dir_index_key(dir: u64, index: u64) -> Key {
 
 fn inode_ref_key(ino: u64, parent: u64) -> Key {
     Key::new(ino, kind::INODE_REF, parent)
+}
+
+fn extref_key(ino: u64, parent: u64, name: &[u8]) -> Key {
+    Key::new(ino, kind::INODE_EXTREF, extref_hash(parent, name))
 }
 
 fn is_dir(i: &InodeItem) -> bool {
@@ -153,11 +159,11 @@ impl Inner {
             index,
             name: name.to_vec(),
         });
-        let renc = encode_inode_refs(&refs);
-        if renc.len() > self.store.max_item_size() {
-            // All of a file's names in one directory share one item (as btrfs's
-            // INODE_REF without extended refs).
-            return Err(Error::TooManyLinks);
+        let mut back = (rk, encode_inode_refs(&refs));
+        if back.1.len() > self.store.max_item_size() {
+            // The file's names in this directory fill their item: this one goes to an
+            // extended ref of its own (as btrfs's INODE_EXTREF).
+            back = self.extref_with(ino, dir, index, name)?;
         }
         self.store.insert(tree::FS, ik, enc)?;
         self.store.insert(
@@ -165,7 +171,7 @@ impl Inner {
             dir_index_key(dir, index),
             encode_dir_entries(&[entry]),
         )?;
-        self.store.insert(tree::FS, rk, renc)?;
+        self.store.insert(tree::FS, back.0, back.1)?;
         self.put_inode(dir, d)?;
         // A directory's entries are its data: fdatasync of it needs them.
         self.store.log.mark_data(dir);
@@ -190,15 +196,21 @@ impl Inner {
         }
         self.store.delete(tree::FS, &dir_index_key(dir, e.index))?;
         let rk = inode_ref_key(e.ino, dir);
+        let mut found = false;
         if let Some(v) = self.store.search(tree::FS, &rk)? {
             let mut refs = decode_inode_refs(&v)
                 .ok_or_else(|| Error::corrupt("inode ref", e.ino, "malformed"))?;
+            let had = refs.len();
             refs.retain(|r| r.index != e.index);
+            found = refs.len() != had;
             if refs.is_empty() {
                 self.store.delete(tree::FS, &rk)?;
-            } else {
+            } else if found {
                 self.store.insert(tree::FS, rk, encode_inode_refs(&refs))?;
             }
+        }
+        if !found {
+            self.drop_extref(e.ino, dir, e.index, name)?;
         }
         self.update_inode(dir, |d| {
             d.size = d.size.get().saturating_sub(name.len() as u64 * 2).into();
@@ -207,6 +219,59 @@ impl Inner {
         })?;
         self.store.log.mark_data(dir);
         Ok(e)
+    }
+
+    /// The INODE_EXTREF item that holds `name` of `ino` in `dir` (with `index`), with
+    /// the names whose hashes it shares, as (key, value) to insert. The first one makes
+    /// the image's feature flag, and it reaches the disk by a commit.
+    fn extref_with(
+        &mut self,
+        ino: u64,
+        dir: u64,
+        index: u64,
+        name: &[u8],
+    ) -> Result<(Key, Vec<u8>)> {
+        let k = extref_key(ino, dir, name);
+        let mut list = match self.store.search(tree::FS, &k)? {
+            Some(v) => decode_inode_extrefs(&v)
+                .ok_or_else(|| Error::corrupt("inode extref", ino, "malformed"))?,
+            None => Vec::new(),
+        };
+        list.push(InodeExtref {
+            parent: dir,
+            index,
+            name: name.to_vec(),
+        });
+        let enc = encode_inode_extrefs(&list);
+        if enc.len() > self.store.max_item_size() {
+            return Err(Error::TooManyLinks);
+        }
+        if self.store.sb.incompat & INCOMPAT_EXTREF == 0 {
+            // A build that does not know extended refs must never find one in a log it
+            // replays: the first reaches the disk by a commit, whose superblock carries
+            // the flag that such a build refuses.
+            self.store.sb.incompat |= INCOMPAT_EXTREF;
+            self.store.log.overflow = true;
+        }
+        Ok((k, enc))
+    }
+
+    /// Removes the extended ref of `ino`'s name `name` (with `index`) in `dir`.
+    fn drop_extref(&mut self, ino: u64, dir: u64, index: u64, name: &[u8]) -> Result<()> {
+        let k = extref_key(ino, dir, name);
+        let Some(v) = self.store.search(tree::FS, &k)? else {
+            return Ok(());
+        };
+        let mut list = decode_inode_extrefs(&v)
+            .ok_or_else(|| Error::corrupt("inode extref", ino, "malformed"))?;
+        list.retain(|x| !(x.parent == dir && x.index == index));
+        if list.is_empty() {
+            self.store.delete(tree::FS, &k)?;
+        } else {
+            self.store
+                .insert(tree::FS, k, encode_inode_extrefs(&list))?;
+        }
+        Ok(())
     }
 
     pub(crate) fn lookup(&mut self, parent: u64, name: &[u8]) -> Result<Attr> {

@@ -755,36 +755,109 @@ fn files_reach_the_largest_size_the_kernel_allows() {
     assert!(problems_after_unmount(&crashed, fs).is_empty());
 }
 
-/// All of a file's names in one directory share one item: once it is full, one more
-/// link there is EMLINK (it was EINVAL) and changes nothing; other directories still
-/// take links, and the names made before all work.
+/// A file's names in one directory fill one item after about 27 long names; the
+/// names past that go to extended refs, so one directory takes hundreds of long links
+/// to one file. The first extended ref reaches the disk by a commit that sets the
+/// image's feature flag. Names in both kinds of item survive unlink, rename, a crash
+/// after fsync (log replay) and a remount, and check agrees with them.
 #[test]
-fn links_past_what_one_directory_holds_are_emlink() {
+fn one_directory_takes_hundreds_of_long_links_to_one_file() {
     let (dev, fs) = mk(64 * MB);
+    let flag = crate::format::INCOMPAT_EXTREF;
+    let on_disk = |dev: &MemDev| crate::txn::Store::read_super(dev).unwrap().incompat & flag;
     let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap().ino;
-    let name = |i: usize| format!("{i:05}{}", "x".repeat(240)).into_bytes();
-    let mut made = 0;
-    let err = loop {
-        match fs.link(f, ROOT_INO, &name(made)) {
-            Ok(_) => made += 1,
-            Err(e) => break e,
-        }
-        assert!(made < 10_000, "no limit reached");
-    };
-    assert!(made >= 20, "only {made} links");
-    assert!(matches!(err, Error::TooManyLinks), "{err:?}");
-    assert_eq!(err.errno(), libc::EMLINK);
-    assert!(matches!(
-        fs.lookup(ROOT_INO, &name(made)),
-        Err(Error::NotFound)
-    ));
-    fs.link(f, d, &name(0)).unwrap();
-    assert_eq!(fs.getattr(f).unwrap().nlink as usize, made + 2);
-    for i in 0..made {
-        assert_eq!(fs.lookup(ROOT_INO, &name(i)).unwrap().ino, f);
+    let name = |i: usize| format!("{i:05}{}", "x".repeat(250)).into_bytes();
+    const N: usize = 400;
+    for i in 0..20 {
+        fs.link(f, d, &name(i)).unwrap();
     }
-    assert!(problems_after_unmount(&dev, fs).is_empty());
+    fs.fsync(f, false).unwrap();
+    assert_eq!(on_disk(&dev), 0, "names that fit their item need no flag");
+    for i in 20..N {
+        fs.link(f, d, &name(i)).unwrap();
+    }
+    fs.fsync(f, false).unwrap();
+    assert_ne!(on_disk(&dev), 0, "the fsync committed the flag");
+    assert_eq!(fs.getattr(f).unwrap().nlink as usize, N + 1);
+    // Unlink names of both kinds; move one of each elsewhere and one in.
+    for i in (0..N).step_by(7) {
+        fs.unlink(d, &name(i)).unwrap();
+    }
+    let nf = RenameFlags::default();
+    fs.rename(d, &name(1), ROOT_INO, b"early", nf).unwrap();
+    fs.rename(d, &name(N - 2), ROOT_INO, b"late", nf).unwrap();
+    fs.rename(ROOT_INO, b"f", d, b"in", nf).unwrap();
+    let gone: Vec<usize> = (0..N).step_by(7).chain([1, N - 2]).collect();
+    let kept: Vec<usize> = (0..N).filter(|i| !gone.contains(i)).collect();
+    fs.fsync(f, false).unwrap();
+    fs.fsync(d, false).unwrap();
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs);
+    let fs = Fs::open(crashed.clone(), Options::default()).unwrap();
+    let verify = |fs: &Fs| {
+        for &i in &kept {
+            assert_eq!(fs.lookup(d, &name(i)).unwrap().ino, f, "name {i}");
+        }
+        for &i in &gone {
+            assert!(
+                matches!(fs.lookup(d, &name(i)), Err(Error::NotFound)),
+                "{i}"
+            );
+        }
+        for n in [&b"early"[..], b"late"] {
+            assert_eq!(fs.lookup(ROOT_INO, n).unwrap().ino, f);
+        }
+        assert_eq!(fs.lookup(d, b"in").unwrap().ino, f);
+        assert!(matches!(fs.lookup(ROOT_INO, b"f"), Err(Error::NotFound)));
+        assert_eq!(fs.getattr(f).unwrap().nlink as usize, kept.len() + 3);
+        let listed = fs.readdir(d, 0, usize::MAX).unwrap();
+        assert_eq!(listed.iter().filter(|e| e.ino == f).count(), kept.len() + 1);
+    };
+    verify(&fs);
+    let fs = remount(&crashed, fs);
+    verify(&fs);
+    // Every name goes; the file with them.
+    for &i in &kept {
+        fs.unlink(d, &name(i)).unwrap();
+    }
+    for (p, n) in [(ROOT_INO, &b"early"[..]), (ROOT_INO, b"late"), (d, b"in")] {
+        fs.unlink(p, n).unwrap();
+    }
+    assert!(matches!(fs.getattr(f), Err(Error::NotFound)));
+    assert!(problems_after_unmount(&crashed, fs).is_empty());
+}
+
+/// Check finds an extended ref under the wrong hash, and one that no directory entry
+/// backs (the file's link count then disagrees too).
+#[test]
+fn check_reports_extended_refs_that_do_not_add_up() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let stray = crate::format::encode_inode_extrefs(&[crate::format::InodeExtref {
+        parent: ROOT_INO,
+        index: 999,
+        name: b"nowhere".to_vec(),
+    }]);
+    fs.with(|i| {
+        i.store.sb.incompat |= crate::format::INCOMPAT_EXTREF;
+        i.store.insert(
+            tree::FS,
+            Key::new(f, kind::INODE_EXTREF, 12345),
+            stray.clone(),
+        )
+    })
+    .unwrap();
+    let problems = check_image_after_commit(&fs, &dev);
+    assert!(
+        problems.iter().any(|p| p.contains("wrong hash")),
+        "{problems:?}"
+    );
+    assert!(
+        problems.iter().any(|p| p.contains("link count")),
+        "{problems:?}"
+    );
+    drop(fs);
 }
 
 /// mkfs leaves no other filesystem's or partition table's signature behind (blkid

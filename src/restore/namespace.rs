@@ -6,15 +6,16 @@ use zerocopy::FromBytes;
 
 use super::Restored;
 use crate::format::{
-    decode_dir_entries, decode_inode_refs, decode_xattrs, kind, objectid, FileExtent, InodeItem,
-    Key, XattrEntry,
+    decode_dir_entries, decode_inode_extrefs, decode_inode_refs, decode_xattrs, kind, objectid,
+    FileExtent, InodeItem, Key, XattrEntry,
 };
 
 /// One fs tree's items, sorted out by inode.
 #[derive(Default)]
 pub(super) struct Namespace {
     pub(super) inodes: BTreeMap<u64, InodeItem>,
-    /// dir -> name -> inode: from DIR_INDEX, then DIR_ITEM, then INODE_REF.
+    /// dir -> name -> inode: from DIR_INDEX, then DIR_ITEM, then INODE_REF and
+    /// INODE_EXTREF.
     pub(super) entries: BTreeMap<u64, BTreeMap<Vec<u8>, u64>>,
     pub(super) extents: HashMap<u64, Vec<(u64, FileExtent)>>,
     pub(super) symlinks: HashMap<u64, Vec<u8>>,
@@ -58,6 +59,10 @@ impl Namespace {
                 kind::INODE_REF => match decode_inode_refs(&v) {
                     Some(l) => by_ref.extend(l.into_iter().map(|r| (k.offset, r.name, ino))),
                     None => bad(rep, "inode ref"),
+                },
+                kind::INODE_EXTREF => match decode_inode_extrefs(&v) {
+                    Some(l) => by_ref.extend(l.into_iter().map(|x| (x.parent, x.name, ino))),
+                    None => bad(rep, "inode extref"),
                 },
                 kind::EXTENT_DATA => match FileExtent::read_from_bytes(&v) {
                     Ok(fe) => ns.extents.entry(ino).or_default().push((k.offset, fe)),

@@ -856,3 +856,49 @@ fn a_tree_deeper_than_path_max_comes_back_whole() {
     let p = fstat(&open_in(&d, "p", libc::O_PATH));
     assert_eq!(p.st_mode & libc::S_IFMT, libc::S_IFIFO);
 }
+
+/// Names that only back-references still give (their directory's entries lost) come
+/// from extended refs as from inode refs.
+#[test]
+fn names_come_back_from_extended_refs_as_from_inode_refs() {
+    let refs = crate::format::encode_inode_refs(&[crate::format::InodeRef {
+        index: 2,
+        name: b"plain".to_vec(),
+    }]);
+    let ext = crate::format::encode_inode_extrefs(&[
+        crate::format::InodeExtref {
+            parent: 256,
+            index: 3,
+            name: b"extended".to_vec(),
+        },
+        crate::format::InodeExtref {
+            parent: 257,
+            index: 4,
+            name: b"other".to_vec(),
+        },
+    ]);
+    let items = vec![
+        (Key::new(300, kind::INODE_REF, 256), refs),
+        (Key::new(300, kind::INODE_EXTREF, 77), ext),
+        (Key::new(301, kind::INODE_EXTREF, 78), vec![1, 2, 3]),
+    ];
+    let mut rep = Restored::default();
+    let ns = Namespace::build(items, &mut rep);
+    let names = |dir: u64| -> Vec<(Vec<u8>, u64)> {
+        ns.entries[&dir]
+            .iter()
+            .map(|(n, i)| (n.clone(), *i))
+            .collect()
+    };
+    assert_eq!(
+        names(256),
+        vec![(b"extended".to_vec(), 300), (b"plain".to_vec(), 300)]
+    );
+    assert_eq!(names(257), vec![(b"other".to_vec(), 300)]);
+    assert_eq!(
+        rep.problems.len(),
+        1,
+        "the malformed one: {:?}",
+        rep.problems
+    );
+}
