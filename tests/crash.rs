@@ -1459,6 +1459,27 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
             ],
         ),
         (
+            "more long links in one directory than an inode ref holds (extended refs)",
+            {
+                let long = |i: usize| format!("/d/{i:02}{}", "l".repeat(240));
+                let mut ops = vec![
+                    Mkdir(s("/d")),
+                    Create(s("/a")),
+                    Write(s("/a"), 0, 5000, 71),
+                    Fsync(s("/a")),
+                ];
+                ops.extend((0..36).map(|i| Link(s("/a"), long(i))));
+                ops.push(Fsync(s("/a")));
+                ops.extend((0..36).step_by(5).map(|i| Unlink(long(i))));
+                ops.push(Rename(long(33), s("/b")));
+                ops.push(Link(s("/b"), long(40)));
+                ops.push(Fsync(s("/a")));
+                ops.push(Unlink(long(2)));
+                ops.push(Fsync(s("/d")));
+                ops
+            },
+        ),
+        (
             "symlinks made, replaced and moved, their directory fsynced",
             vec![
                 Mkdir(s("/d")),
