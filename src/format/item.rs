@@ -348,12 +348,25 @@ pub(crate) struct InodeRef {
     pub(crate) name: Vec<u8>,
 }
 
+/// Appends a back-reference's index and name, as inode refs and extended refs
+/// store them.
+fn put_indexed_name(out: &mut Vec<u8>, index: u64, name: &[u8]) {
+    out.extend_from_slice(&index.to_le_bytes());
+    out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    out.extend_from_slice(name);
+}
+
+/// Reads what [`put_indexed_name`] wrote.
+fn get_indexed_name(r: &mut Reader<'_>) -> Option<(u64, Vec<u8>)> {
+    let index = r.u64()?;
+    let n = r.u16()? as usize;
+    Some((index, r.bytes(n)?.to_vec()))
+}
+
 pub(crate) fn encode_inode_refs(refs: &[InodeRef]) -> Vec<u8> {
     let mut out = Vec::new();
     for r in refs {
-        out.extend_from_slice(&r.index.to_le_bytes());
-        out.extend_from_slice(&(r.name.len() as u16).to_le_bytes());
-        out.extend_from_slice(&r.name);
+        put_indexed_name(&mut out, r.index, &r.name);
     }
     out
 }
@@ -362,12 +375,8 @@ pub(crate) fn decode_inode_refs(buf: &[u8]) -> Option<Vec<InodeRef>> {
     let mut r = Reader::new(buf);
     let mut v = Vec::new();
     while !r.is_empty() {
-        let index = r.u64()?;
-        let n = r.u16()? as usize;
-        v.push(InodeRef {
-            index,
-            name: r.bytes(n)?.to_vec(),
-        });
+        let (index, name) = get_indexed_name(&mut r)?;
+        v.push(InodeRef { index, name });
     }
     Some(v)
 }
@@ -385,9 +394,7 @@ pub(crate) fn encode_inode_extrefs(refs: &[InodeExtref]) -> Vec<u8> {
     let mut out = Vec::new();
     for r in refs {
         out.extend_from_slice(&r.parent.to_le_bytes());
-        out.extend_from_slice(&r.index.to_le_bytes());
-        out.extend_from_slice(&(r.name.len() as u16).to_le_bytes());
-        out.extend_from_slice(&r.name);
+        put_indexed_name(&mut out, r.index, &r.name);
     }
     out
 }
@@ -397,12 +404,11 @@ pub(crate) fn decode_inode_extrefs(buf: &[u8]) -> Option<Vec<InodeExtref>> {
     let mut v = Vec::new();
     while !r.is_empty() {
         let parent = r.u64()?;
-        let index = r.u64()?;
-        let n = r.u16()? as usize;
+        let (index, name) = get_indexed_name(&mut r)?;
         v.push(InodeExtref {
             parent,
             index,
-            name: r.bytes(n)?.to_vec(),
+            name,
         });
     }
     Some(v)
