@@ -530,6 +530,17 @@ impl Store {
         res
     }
 
+    /// Marks the image as using incompatible feature `flag`. The first time, the next
+    /// fsync commits instead of logging: a build that does not know the feature must
+    /// never find what needs it in a log it replays, and the commit's superblock
+    /// carries the flag that such a build refuses.
+    pub(crate) fn use_feature(&mut self, flag: u64) {
+        if self.sb.incompat & flag == 0 {
+            self.sb.incompat |= flag;
+            self.log.overflow = true;
+        }
+    }
+
     pub(crate) fn writable(&self) -> Result<()> {
         if self.readonly {
             return Err(Error::ReadOnly);

@@ -246,13 +246,7 @@ impl Inner {
         if enc.len() > self.store.max_item_size() {
             return Err(Error::TooManyLinks);
         }
-        if self.store.sb.incompat & INCOMPAT_EXTREF == 0 {
-            // A build that does not know extended refs must never find one in a log it
-            // replays: the first reaches the disk by a commit, whose superblock carries
-            // the flag that such a build refuses.
-            self.store.sb.incompat |= INCOMPAT_EXTREF;
-            self.store.log.overflow = true;
-        }
+        self.store.use_feature(INCOMPAT_EXTREF);
         Ok((k, enc))
     }
 

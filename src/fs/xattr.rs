@@ -129,13 +129,7 @@ impl Inner {
                 return Err(Error::NoSpace);
             }
             self.write_chunks(ino, base, value, max)?;
-            if self.store.sb.incompat & INCOMPAT_XATTR_CHUNKS == 0 {
-                // A build that does not know chunks must never find them in a log it
-                // replays: the first chunked value reaches the disk by a commit, whose
-                // superblock carries the flag that such a build refuses.
-                self.store.sb.incompat |= INCOMPAT_XATTR_CHUNKS;
-                self.store.log.overflow = true;
-            }
+            self.store.use_feature(INCOMPAT_XATTR_CHUNKS);
             written = Some(base);
         }
         if let Err(e) = self.store.insert(tree::FS, xattr_key(ino, name), enc) {
