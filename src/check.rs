@@ -677,6 +677,13 @@ fn check_namespace(
         match k.ty {
             kind::INODE_ITEM => match InodeItem::read_from_bytes(v) {
                 Ok(i) => {
+                    let unknown = i.flags.get() & !crate::format::inode_flag::KNOWN;
+                    if unknown != 0 {
+                        w.problem(format!(
+                            "inode {}: unknown inode flags {unknown:#x}",
+                            k.objectid
+                        ));
+                    }
                     inodes.insert(k.objectid, i);
                 }
                 Err(_) => bad(w, "inode item"),

@@ -33,9 +33,9 @@ fn describe(k: &Key, v: &[u8]) -> String {
         kind::INODE_ITEM => {
             match InodeItem::read_from_bytes(v) {
                 Ok(i) => format!(
-                "INODE_ITEM mode {:o} size {} nbytes {} nlink {} uid {} gid {} gen {} transid {}",
+                "INODE_ITEM mode {:o} size {} nbytes {} nlink {} uid {} gid {} gen {} transid {} flags {:#x}",
                 i.mode.get(), i.size.get(), i.nbytes.get(), i.nlink.get(), i.uid.get(), i.gid.get(),
-                i.generation.get(), i.transid.get()
+                i.generation.get(), i.transid.get(), i.flags.get()
             ),
                 Err(_) => "INODE_ITEM (malformed)".into(),
             }

@@ -44,6 +44,8 @@ enum Op {
     SetXattr(String, &'static str, Value),
     RemoveXattr(String, &'static str),
     Chmod(String, u32),
+    /// Sets the inode flags (`chattr`); the sequence keeps away from what they forbid.
+    Chattr(String, u32),
     Fsync(String),
     Fdatasync(String),
     /// clone_range of the whole first file over the start of the second.
@@ -84,6 +86,8 @@ struct Node {
     data: Vec<u8>,
     mode: u32,
     xattrs: BTreeMap<String, Vec<u8>>,
+    /// Inode flags (`chattr`).
+    flags: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -106,6 +110,7 @@ impl Model {
                 data: vec![],
                 mode: 0o755,
                 xattrs: BTreeMap::new(),
+                flags: 0,
             },
         );
         m.names.insert("/".into(), 0);
@@ -193,9 +198,11 @@ impl Model {
             }
             Op::Symlink(p, _) => free(p),
             // (Symlinks: chmod and open follow them, and Linux refuses user xattrs.)
-            Op::SetXattr(p, ..) | Op::Chmod(p, _) | Op::Fsync(p) | Op::Fdatasync(p) => {
-                self.names.get(p).is_some_and(|id| !self.nodes[id].symlink)
-            }
+            Op::SetXattr(p, ..)
+            | Op::Chmod(p, _)
+            | Op::Chattr(p, _)
+            | Op::Fsync(p)
+            | Op::Fdatasync(p) => self.names.get(p).is_some_and(|id| !self.nodes[id].symlink),
             Op::RemoveXattr(p, n) => self
                 .names
                 .get(p)
@@ -217,6 +224,7 @@ impl Model {
                     data: vec![],
                     mode,
                     xattrs: BTreeMap::new(),
+                    flags: 0,
                 },
             );
             m.names.insert(p.to_string(), m.next);
@@ -310,6 +318,7 @@ impl Model {
                     .remove(*n);
             }
             Op::Chmod(p, m) => self.nodes.get_mut(&self.names[p]).unwrap().mode = *m,
+            Op::Chattr(p, f) => self.nodes.get_mut(&self.names[p]).unwrap().flags = *f,
             Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync | Op::Trim | Op::NoRoom(_) => {}
             Op::Snapshot(n) => {
                 let frozen = Model {
@@ -455,6 +464,9 @@ fn exec(fs: &Fs, op: &Op) {
                 },
             )
             .unwrap();
+        }
+        Op::Chattr(p, f) => {
+            fs.set_flags(ino(p), *f).unwrap();
         }
         Op::Fsync(_) | Op::Fdatasync(_) | Op::Sync | Op::Trim => {
             sync(fs, op).unwrap_or_else(|e| panic!("{op:?}: {e}"))
@@ -723,12 +735,15 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                     // fdatasync keeps the data and size; fsync all attributes too.
                     .any(|n| {
                         n.data == data
-                            && (*data_only || (n.mode == a.perm as u32 && n.xattrs == xs))
+                            && (*data_only
+                                || (n.mode == a.perm as u32
+                                    && n.xattrs == xs
+                                    && n.flags == a.flags))
                     });
                 assert!(
                     ok,
-                    "{what}: {path} (fsynced at op {i}) has {} bytes, mode {:o}, xattrs {:?}: no version since the fsync matches\nops: {:?}",
-                    data.len(), a.perm, xs.keys().collect::<Vec<_>>(), run.ops
+                    "{what}: {path} (fsynced at op {i}) has {} bytes, mode {:o}, xattrs {:?}, flags {:#x}: no version since the fsync matches\nops: {:?}",
+                    data.len(), a.perm, xs.keys().collect::<Vec<_>>(), a.flags, run.ops
                 );
             }
             Promise::Snapshot { name } => {
@@ -1240,6 +1255,25 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
                 Fdatasync(s("/f")),
                 Punch(s("/f"), 0, 4096),
                 Fdatasync(s("/f")),
+            ],
+        ),
+        (
+            "chattr +i and +a reach the log with an fsync, and so does clearing them",
+            vec![
+                Create(s("/f")),
+                Write(s("/f"), 0, 9000, 3),
+                Sync,
+                Chattr(s("/f"), 0x10),
+                Fsync(s("/f")),
+                Mkdir(s("/d")),
+                Create(s("/d/g")),
+                Write(s("/d/g"), 0, 100, 4),
+                Chattr(s("/d/g"), 0x20 | 0x40),
+                Fsync(s("/d/g")),
+                Chattr(s("/d/g"), 0x40),
+                Write(s("/d/g"), 4096, 100, 9),
+                Chmod(s("/d/g"), 0o600),
+                Fsync(s("/d/g")),
             ],
         ),
         (

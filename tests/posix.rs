@@ -185,7 +185,7 @@ fn open_error_cases() {
     m.unmount();
 }
 
-/// ioctls birchfs does not have (lsattr's FS_IOC_GETFLAGS) fail with ENOTTY, as on a
+/// ioctls birchfs does not have (FS_IOC_GETVERSION) fail with ENOTTY, as on a
 /// kernel filesystem without them, and poll() finds a file ready; quietly: no warning
 /// in the log per call.
 #[test]
@@ -196,11 +196,11 @@ fn unknown_ioctls_and_poll_answer_as_a_kernel_filesystem_and_are_not_logged() {
     let p = m.path("f");
     File::create(&p).unwrap();
     let f = File::open(&p).unwrap();
-    const FS_IOC_GETFLAGS: libc::c_ulong = 0x8008_6601;
+    const FS_IOC_GETVERSION: libc::c_ulong = 0x8008_7601;
     for _ in 0..20 {
-        let mut flags: libc::c_long = 0;
-        // SAFETY: FS_IOC_GETFLAGS writes one long into `flags`.
-        let rc = unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_GETFLAGS, &mut flags) };
+        let mut v: libc::c_long = 0;
+        // SAFETY: FS_IOC_GETVERSION writes one long into `v`.
+        let rc = unsafe { libc::ioctl(f.as_raw_fd(), FS_IOC_GETVERSION, &mut v) };
         assert_eq!(rc, -1);
         assert_eq!(
             std::io::Error::last_os_error().raw_os_error(),
@@ -222,6 +222,87 @@ fn unknown_ioctls_and_poll_answer_as_a_kernel_filesystem_and_are_not_logged() {
     let log = m.daemon_log();
     assert!(!log.contains("ioctl"), "ioctls were logged:\n{log}");
     assert!(!log.contains("poll"), "a poll was logged:\n{log}");
+    m.unmount();
+}
+
+/// The inode flags of `p` (FS_IOC_GETFLAGS, as lsattr asks).
+fn get_flags(p: &Path) -> libc::c_long {
+    let f = File::open(p).unwrap();
+    let mut flags: libc::c_long = 0;
+    // SAFETY: FS_IOC_GETFLAGS writes one long into `flags`.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), 0x8008_6601, &mut flags) };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    flags
+}
+
+/// Sets the inode flags of `p` (FS_IOC_SETFLAGS, as chattr does).
+fn set_flags(p: &Path, flags: libc::c_long) -> std::io::Result<()> {
+    let f = File::open(p)?;
+    // SAFETY: FS_IOC_SETFLAGS reads one long from `flags`.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), 0x4008_6602, &flags) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// chattr +i and +a through the kernel: an immutable file cannot be opened for
+/// writing, truncated, chmodded, renamed, linked or unlinked, and an immutable
+/// directory takes no new name; an append-only file takes O_APPEND writes only.
+/// The flags read back, survive a remount, and cleared, everything works again.
+#[test]
+fn chattr_immutable_and_append_only() {
+    const IMM: libc::c_long = 0x10;
+    const APP: libc::c_long = 0x20;
+    let eperm = |r: std::io::Result<()>| {
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EPERM));
+    };
+    let mut m = Mount::new();
+    let (f, g, d) = (m.path("f"), m.path("g"), m.path("d"));
+    fs::write(&f, b"fixed").unwrap();
+    fs::write(&g, b"log:").unwrap();
+    fs::create_dir(&d).unwrap();
+    assert_eq!(get_flags(&f), 0);
+    set_flags(&f, IMM).unwrap();
+    set_flags(&g, APP).unwrap();
+    set_flags(&d, IMM).unwrap();
+    assert_eq!(
+        set_flags(&f, 0x4).unwrap_err().raw_os_error(),
+        Some(libc::EOPNOTSUPP),
+        "compression is not kept"
+    );
+    let check = |m: &Mount| {
+        assert_eq!(get_flags(&f), IMM);
+        assert_eq!(get_flags(&g), APP);
+        assert_eq!(get_flags(&d), IMM);
+        eperm(OpenOptions::new().write(true).open(&f).map(drop));
+        eperm(OpenOptions::new().append(true).open(&f).map(drop));
+        eperm(fs::set_permissions(&f, fs::Permissions::from_mode(0o600)));
+        eperm(fs::rename(&f, m.path("f2")));
+        eperm(fs::hard_link(&f, m.path("f3")));
+        eperm(fs::remove_file(&f));
+        eperm(File::create(d.join("new")).map(drop));
+        assert_eq!(fs::read(&f).unwrap(), b"fixed");
+        eperm(OpenOptions::new().write(true).open(&g).map(drop));
+        eperm(File::create(&g).map(drop));
+        eperm(fs::remove_file(&g));
+    };
+    check(&m);
+    let mut a = OpenOptions::new().append(true).open(&g).unwrap();
+    a.write_all(b" one").unwrap();
+    a.sync_all().unwrap();
+    drop(a);
+    m.remount();
+    check(&m);
+    assert_eq!(fs::read(&g).unwrap(), b"log: one");
+    for p in [&f, &g, &d] {
+        set_flags(p, 0).unwrap();
+    }
+    fs::write(&f, b"free").unwrap();
+    fs::write(d.join("new"), b"").unwrap();
+    fs::remove_file(&g).unwrap();
+    assert_eq!(fs::read(&f).unwrap(), b"free");
     m.unmount();
 }
 

@@ -118,7 +118,7 @@ pub struct InodeItem {
     pub mode: U32,
     /// Device number of a device node.
     pub rdev: U64,
-    /// Inode flags (reserved).
+    /// Inode flags ([`super::inode_flag`]).
     pub flags: U64,
     /// Next DIR_INDEX sequence number (directories).
     pub next_index: U64,

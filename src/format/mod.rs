@@ -155,6 +155,20 @@ pub mod objectid {
     pub const FIRST_SNAPSHOT: u64 = 256;
 }
 
+/// INODE_ITEM flags: the bits `chattr` sets, with the values of Linux's `FS_*_FL`.
+pub mod inode_flag {
+    /// Nothing may change the inode, its data or its names (`chattr +i`).
+    pub const IMMUTABLE: u64 = 0x10;
+    /// Data may only be appended; no truncate, rename or unlink (`chattr +a`).
+    pub const APPEND: u64 = 0x20;
+    /// dump(8) skips the file (`chattr +d`); birchfs only keeps the bit.
+    pub const NODUMP: u64 = 0x40;
+    /// Reads do not update the access time (`chattr +A`); a FUSE read never does.
+    pub const NOATIME: u64 = 0x80;
+    /// Every bit an inode may have.
+    pub const KNOWN: u64 = IMMUTABLE | APPEND | NODUMP | NOATIME;
+}
+
 /// ROOT_ITEM flags.
 pub mod root_flag {
     /// A read-only snapshot.

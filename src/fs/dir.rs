@@ -10,8 +10,8 @@ use super::{Attr, Creds, DirEntryOut, Inner, RenameFlags};
 use crate::error::{Error, Result};
 use crate::format::{
     decode_dir_entries, decode_inode_extrefs, decode_inode_refs, encode_dir_entries,
-    encode_inode_extrefs, encode_inode_refs, extref_hash, kind, name_hash, objectid, tree,
-    DirEntry, InodeExtref, InodeItem, InodeRef, Key, Timespec, INCOMPAT_EXTREF, NAME_MAX,
+    encode_inode_extrefs, encode_inode_refs, extref_hash, inode_flag, kind, name_hash, objectid,
+    tree, DirEntry, InodeExtref, InodeItem, InodeRef, Key, Timespec, INCOMPAT_EXTREF, NAME_MAX,
     SYMLINK_MAX,
 };
 
@@ -309,6 +309,9 @@ impl Inner {
         if p.nlink.get() == 0 {
             return Err(Error::NotFound);
         }
+        if p.flags.get() & inode_flag::IMMUTABLE != 0 {
+            return Err(Error::Perm);
+        }
         if name == b"." || name == b".." || is_reserved(parent, name) {
             return Err(Error::Exists);
         }
@@ -378,12 +381,18 @@ impl Inner {
         if i.nlink.get() == 0 {
             return Err(Error::NotFound);
         }
+        if i.flags.get() & super::FIXED != 0 {
+            return Err(Error::Perm);
+        }
         if i.nlink.get() >= 65000 {
             return Err(Error::TooManyLinks);
         }
         let p = self.dir_inode(parent)?;
         if p.nlink.get() == 0 {
             return Err(Error::NotFound);
+        }
+        if p.flags.get() & inode_flag::IMMUTABLE != 0 {
+            return Err(Error::Perm);
         }
         if name == b"."
             || name == b".."
@@ -444,7 +453,7 @@ impl Inner {
         if name.len() > NAME_MAX {
             return Err(Error::NameTooLong);
         }
-        self.dir_inode(parent)?;
+        let pi = self.dir_inode(parent)?;
         if is_reserved(parent, name) {
             return Err(Error::Perm);
         }
@@ -456,6 +465,9 @@ impl Inner {
         }
         let e = self.find_entry(parent, name)?.ok_or(Error::NotFound)?;
         let child = self.get_inode(e.ino)?;
+        if (pi.flags.get() | child.flags.get()) & super::FIXED != 0 {
+            return Err(Error::Perm);
+        }
         if rmdir {
             if !is_dir(&child) {
                 return Err(Error::NotDir);
@@ -486,6 +498,21 @@ impl Inner {
             dir = self.parent_of(dir)?;
         }
         Err(Error::corrupt("directory", dir, "parent chain loops"))
+    }
+
+    /// Refuses (EPERM) a rename that inode flags forbid: taking `src` out of
+    /// directory `p`, or replacing `dst` in `np`, when either the name or its
+    /// directory is immutable or append-only; adding a name to an immutable `np`.
+    fn check_rename_allowed(&mut self, p: u64, src: u64, np: u64, dst: Option<u64>) -> Result<()> {
+        self.refuse_if_flagged(p, super::FIXED)?;
+        self.refuse_if_flagged(src, super::FIXED)?;
+        match dst {
+            Some(d) => {
+                self.refuse_if_flagged(np, super::FIXED)?;
+                self.refuse_if_flagged(d, super::FIXED)
+            }
+            None => self.refuse_if_flagged(np, inode_flag::IMMUTABLE),
+        }
     }
 
     pub(crate) fn rename(
@@ -522,6 +549,7 @@ impl Inner {
                 return Ok(());
             }
         }
+        self.check_rename_allowed(p, src.ino, np, dst.as_ref().map(|d| d.ino))?;
         let src_dir = src.dtype == libc::DT_DIR;
         let dst_dir = dst.as_ref().is_some_and(|d| d.dtype == libc::DT_DIR);
         if src_dir && p != np && self.is_ancestor(src.ino, np)? {

@@ -23,7 +23,7 @@ use crate::dev::BlockDev;
 use crate::error::{Error, Result};
 use crate::extent_map::{ExtentMap, Mapping};
 use crate::format::{
-    csum, kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE,
+    csum, inode_flag, kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE,
     FILE_EXTENT_PREALLOC, FILE_EXTENT_REG, MAX_EXTENT_SIZE, MAX_FILE_SIZE, MAX_PREALLOC_SIZE,
 };
 use crate::stats::Stats;
@@ -541,16 +541,26 @@ impl Inner {
     /// when its margin would take more than half the metadata reserve.
     /// A write ending at `end` is noted as under way, its size counted before any of
     /// its blocks reaches the cache (writeback mapping them must know the size they
-    /// lie within); [`Inner::note_write`] ends it.
+    /// lie within); [`Inner::note_write`] ends it. An immutable file takes no write
+    /// (one through a handle opened before `chattr +i`); an append-only file takes
+    /// the caller's own write at `own` only from its end (the kernel's cache writes
+    /// back whole pages, `own` None, so its appends may start before the end).
     pub(crate) fn write_begin(
         &mut self,
         ino: u64,
         span: (u64, u64),
         dirty: u64,
         end: Option<u64>,
+        own: Option<u64>,
     ) -> Result<u64> {
         self.store.writable()?;
         let i = self.check_file(ino)?;
+        let f = i.flags.get();
+        if f & inode_flag::IMMUTABLE != 0
+            || (f & inode_flag::APPEND != 0 && own.is_some_and(|o| o < i.size.get()))
+        {
+            return Err(Error::Perm);
+        }
         let margin = |room: u64| room + room / 32 + 2 * BS;
         let worst = span.1 - span.0;
         if !self.store.alloc.has_room(margin(worst + dirty)) {

@@ -7,7 +7,8 @@ use zerocopy::{FromBytes, IntoBytes};
 use super::Inner;
 use crate::error::{Error, Result};
 use crate::format::{
-    kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE, MAX_FILE_SIZE,
+    inode_flag, kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE,
+    MAX_FILE_SIZE,
 };
 
 /// The type of an inode.
@@ -103,6 +104,8 @@ pub struct Attr {
     pub gid: u32,
     /// Device number (device nodes).
     pub rdev: u64,
+    /// Inode flags, as `FS_*_FL` bits ([`crate::format::inode_flag`]).
+    pub flags: u32,
 }
 
 /// A time to set: now, or a given time.
@@ -177,6 +180,7 @@ fn attr_of(ino: u64, i: &InodeItem) -> Result<Attr> {
         uid: i.uid.get(),
         gid: i.gid.get(),
         rdev: i.rdev.get(),
+        flags: (i.flags.get() & inode_flag::KNOWN) as u32,
     })
 }
 
@@ -412,6 +416,40 @@ impl Inner {
             // After the inode record: an fdatasync must take the new size along.
             self.store.log.mark_data(ino);
         }
+        self.attr_of(ino, &i)
+    }
+
+    /// Refuses (EPERM) a change to `ino` when it has any of inode `flags`.
+    pub(crate) fn refuse_if_flagged(&mut self, ino: u64, flags: u64) -> Result<()> {
+        if self.get_inode(ino)?.flags.get() & flags != 0 {
+            return Err(Error::Perm);
+        }
+        Ok(())
+    }
+
+    /// Refuses (EPERM) what `set` would change that `ino`'s flags forbid: anything
+    /// of an immutable inode; of an append-only one all but its times (which the
+    /// kernel's writeback sets after an append) and the loss of setuid a write brings.
+    pub(crate) fn check_setattr_allowed(&mut self, ino: u64, set: &super::SetAttr) -> Result<()> {
+        let f = self.get_inode(ino)?.flags.get();
+        let times_only =
+            set.size.is_none() && set.mode.is_none() && set.uid.is_none() && set.gid.is_none();
+        if f & inode_flag::IMMUTABLE != 0 || (f & inode_flag::APPEND != 0 && !times_only) {
+            return Err(Error::Perm);
+        }
+        Ok(())
+    }
+
+    /// Sets the flags of `ino` (`chattr`); bits outside [`inode_flag::KNOWN`] are
+    /// not supported. The change time becomes now.
+    pub(crate) fn set_flags(&mut self, ino: u64, flags: u64) -> Result<Attr> {
+        if flags & !inode_flag::KNOWN != 0 {
+            return Err(Error::NotSupported);
+        }
+        let mut i = self.get_inode(ino)?;
+        i.flags = ((i.flags.get() & !inode_flag::KNOWN) | flags).into();
+        i.ctime = Timespec::now();
+        self.put_inode(ino, &mut i)?;
         self.attr_of(ino, &i)
     }
 

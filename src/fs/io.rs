@@ -23,7 +23,7 @@ use std::sync::Arc;
 use super::Fs;
 use crate::cache::{CachedFolio, Folio, PageCache};
 use crate::error::{Error, Result};
-use crate::format::{BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
+use crate::format::{inode_flag, BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
 use crate::stats::Stats;
 
 const BS: u64 = BLOCK_SIZE;
@@ -174,7 +174,14 @@ impl Fs {
             (offset / fsz * fsz, end.div_ceil(fsz) * fsz)
         };
         let size = self.with_space(|i| {
-            i.write_begin(ino, span, cache.dirty_bytes(), (len > 0).then_some(end))
+            let own = stamp.then_some(offset);
+            i.write_begin(
+                ino,
+                span,
+                cache.dirty_bytes(),
+                (len > 0).then_some(end),
+                own,
+            )
         })?;
         if len == 0 {
             return Ok(0);
@@ -961,6 +968,7 @@ impl Fs {
         Self::live(dst)?;
         let ssize = self.with(|i| {
             i.check_file(dst)?;
+            i.refuse_if_flagged(dst, super::FIXED)?;
             Ok(i.check_file(src)?.size.get())
         })?;
         if clone_only && (soff % BS != 0 || doff % BS != 0) {
@@ -1082,6 +1090,7 @@ impl Fs {
     /// Changes attributes; size changes truncate or extend the file.
     pub fn setattr(&self, ino: u64, set: &super::SetAttr) -> Result<super::Attr> {
         Self::live(ino)?;
+        self.with(|i| i.check_setattr_allowed(ino, set))?;
         let Some(size) = set.size else {
             return self.with_space(|i| i.setattr(ino, set));
         };
@@ -1105,6 +1114,10 @@ impl Fs {
         mode: super::FallocMode,
     ) -> Result<()> {
         Self::live(ino)?;
+        // As Linux: an append-only file may only gain space, and only at its end.
+        let plain = !mode.punch_hole && !mode.zero_range;
+        let fixed = inode_flag::IMMUTABLE | if plain { 0 } else { inode_flag::APPEND };
+        self.with(|i| i.refuse_if_flagged(ino, fixed))?;
         let _f = self.file_lock(ino).write();
         let _w = self.wb_lock(ino).lock();
         if self.with(|i| i.check_file(ino)).is_ok() {

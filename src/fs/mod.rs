@@ -25,7 +25,10 @@ use parking_lot::{Mutex, RwLock};
 use crate::cache::{CacheOptions, PageCache};
 use crate::dev::{BlockDev, FileDev};
 use crate::error::{Error, Result};
-use crate::format::{objectid, tree, Key, Timespec};
+use crate::format::{inode_flag, objectid, tree, Key, Timespec};
+
+/// The inode flags that keep a name and the data from changing.
+pub(crate) const FIXED: u64 = inode_flag::IMMUTABLE | inode_flag::APPEND;
 use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
 
@@ -963,6 +966,7 @@ impl Fs {
             return Err(Error::Invalid("not a POSIX ACL name"));
         }
         Self::live(ino)?;
+        self.with(|i| i.refuse_if_flagged(ino, FIXED))?;
         self.with_space(|i| i.set_acl(ino, name, value))
     }
 
@@ -1201,6 +1205,7 @@ impl Fs {
         replace: bool,
     ) -> Result<()> {
         Self::live(ino)?;
+        self.with(|i| i.refuse_if_flagged(ino, FIXED))?;
         self.with_space(|i| i.setxattr(ino, name, value, create, replace))
     }
 
@@ -1217,7 +1222,41 @@ impl Fs {
     /// Removes an extended attribute.
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
         Self::live(ino)?;
+        self.with(|i| i.refuse_if_flagged(ino, FIXED))?;
         self.with_space(|i| i.removexattr(ino, name))
+    }
+
+    /// The inode flags of `ino` (`lsattr`), as `FS_*_FL` bits.
+    pub fn get_flags(&self, ino: u64) -> Result<u32> {
+        Ok(self.getattr(ino)?.flags)
+    }
+
+    /// Sets the inode flags of `ino` (`chattr`): immutable, append-only, nodump and
+    /// noatime ([`inode_flag`]); any other bit is not supported. Who may is the
+    /// caller's check (Linux: the owner, and CAP_LINUX_IMMUTABLE for the first two).
+    pub fn set_flags(&self, ino: u64, flags: u32) -> Result<Attr> {
+        Self::live(ino)?;
+        self.with(|i| {
+            i.store.writable()?;
+            i.set_flags(ino, u64::from(flags))
+        })
+    }
+
+    /// Refuses (EPERM) an open with `flags` that the file's inode flags forbid, as
+    /// Linux does: any write or truncate of an immutable file; of an append-only
+    /// one, a truncate or a write without O_APPEND.
+    pub fn check_open(a: &Attr, flags: i32) -> Result<()> {
+        let acc = flags & libc::O_ACCMODE;
+        let write = acc == libc::O_WRONLY || acc == libc::O_RDWR;
+        let trunc = flags & libc::O_TRUNC != 0;
+        let f = u64::from(a.flags);
+        if f & inode_flag::IMMUTABLE != 0 && (write || trunc) {
+            return Err(Error::Perm);
+        }
+        if f & inode_flag::APPEND != 0 && (trunc || (write && flags & libc::O_APPEND == 0)) {
+            return Err(Error::Perm);
+        }
+        Ok(())
     }
 
     /// Checks `mask` (R_OK|W_OK|X_OK, or F_OK) for a caller with `uid`/`gid`/`groups`.
@@ -1225,6 +1264,9 @@ impl Fs {
         let a = self.getattr(ino)?;
         if mask & libc::W_OK != 0 && is_snapshot_ino(ino) && ino != SNAPSHOTS_INO {
             return Err(Error::ReadOnly);
+        }
+        if mask & libc::W_OK != 0 && a.flags as u64 & inode_flag::IMMUTABLE != 0 {
+            return Err(Error::Perm);
         }
         inode::check_access(&a, mask, uid, gid, groups)
     }

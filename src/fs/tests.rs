@@ -828,6 +828,150 @@ fn one_directory_takes_hundreds_of_long_links_to_one_file() {
     assert!(problems_after_unmount(&crashed, fs).is_empty());
 }
 
+/// chattr's flags: an immutable file refuses every change to its data, attributes
+/// and names, an immutable directory every change to its entries; an append-only
+/// file takes writes and new space but no truncate, punch, chmod, rename or unlink,
+/// an append-only directory new names but no removal. The flags reach the log with
+/// an fsync (a crash then keeps them) and survive a remount; cleared, all works.
+#[test]
+fn inode_flags_forbid_changes_and_survive_a_crash_after_fsync() {
+    use crate::format::inode_flag::{APPEND, IMMUTABLE, NODUMP};
+    let (imm, app) = (IMMUTABLE as u32, APPEND as u32);
+    let (dev, fs) = mk(64 * MB);
+    let reg = libc::S_IFREG | 0o644;
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap().ino;
+    let f = fs.mknod(d, b"f", reg, 0, cr()).unwrap().ino;
+    let g = fs.mknod(ROOT_INO, b"g", reg, 0, cr()).unwrap().ino;
+    fs.write(f, 0, b"hello").unwrap();
+    fs.write(g, 0, b"other").unwrap();
+    fs.commit().unwrap();
+    let perm = |r: Result<()>| matches!(r, Err(Error::Perm));
+    let sz = |n| SetAttr {
+        size: Some(n),
+        ..Default::default()
+    };
+    let nf = RenameFlags::default();
+    assert_eq!(fs.get_flags(f).unwrap(), 0);
+    // FS_COMPR_FL: not kept, so refused.
+    assert!(matches!(fs.set_flags(f, 0x4), Err(Error::NotSupported)));
+
+    fs.set_flags(f, imm | NODUMP as u32).unwrap();
+    assert_eq!(fs.get_flags(f).unwrap(), imm | NODUMP as u32);
+    assert!(perm(fs.write(f, 5, b"x").map(drop)));
+    assert!(perm(fs.write(f, 0, b"j").map(drop)));
+    assert!(perm(fs.setattr(f, &sz(0)).map(drop)));
+    for set in [
+        SetAttr {
+            mode: Some(0o600),
+            ..Default::default()
+        },
+        SetAttr {
+            uid: Some(7),
+            ..Default::default()
+        },
+        SetAttr {
+            mtime: Some(TimeSet::Now),
+            ..Default::default()
+        },
+    ] {
+        assert!(perm(fs.setattr(f, &set).map(drop)));
+    }
+    assert!(perm(fs.unlink(d, b"f")));
+    assert!(perm(fs.rename(d, b"f", ROOT_INO, b"f2", nf)));
+    assert!(perm(fs.rename(ROOT_INO, b"g", d, b"f", nf)), "replaces it");
+    assert!(perm(fs.link(f, ROOT_INO, b"f3").map(drop)));
+    assert!(perm(fs.setxattr(f, b"user.a", b"1", false, false)));
+    assert!(perm(fs.fallocate(f, 0, BS, FallocMode::default())));
+    assert!(perm(fs.clone_range(g, 0, f, 0, 0).map(drop)));
+    assert!(perm(fs.access(f, libc::W_OK, 0, 0, &[])));
+    let a = fs.getattr(f).unwrap();
+    for flags in [libc::O_RDWR, libc::O_WRONLY, libc::O_RDONLY | libc::O_TRUNC] {
+        assert!(perm(Fs::check_open(&a, flags)), "{flags:#x}");
+    }
+    Fs::check_open(&a, libc::O_RDONLY).unwrap();
+    assert_eq!(read_all(&fs, f), b"hello");
+    assert_eq!(fs.getattr(f).unwrap().nlink, 1);
+
+    fs.set_flags(d, imm).unwrap();
+    assert!(perm(fs.mknod(d, b"new", reg, 0, cr()).map(drop)));
+    assert!(perm(fs.rename(ROOT_INO, b"g", d, b"g", nf)));
+    fs.set_flags(d, 0).unwrap();
+
+    fs.set_flags(g, app).unwrap();
+    fs.write(g, 5, b"+more").unwrap();
+    assert!(perm(fs.write(g, 2, b"X").map(drop)), "an overwrite");
+    fs.fallocate(g, 4 * BS, BS, FallocMode::default()).unwrap();
+    fs.setattr(
+        g,
+        &SetAttr {
+            mtime: Some(TimeSet::Now),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(perm(fs.setattr(g, &sz(0)).map(drop)));
+    assert!(perm(
+        fs.setattr(
+            g,
+            &SetAttr {
+                mode: Some(0o600),
+                ..Default::default()
+            }
+        )
+        .map(drop)
+    ));
+    let punch = FallocMode {
+        keep_size: true,
+        punch_hole: true,
+        ..Default::default()
+    };
+    assert!(perm(fs.fallocate(g, 0, BS, punch)));
+    assert!(perm(fs.unlink(ROOT_INO, b"g")));
+    assert!(perm(fs.rename(ROOT_INO, b"g", d, b"g", nf)));
+    let a = fs.getattr(g).unwrap();
+    assert_eq!(a.size, 5 * BS);
+    for flags in [
+        libc::O_WRONLY,
+        libc::O_RDWR,
+        libc::O_WRONLY | libc::O_APPEND | libc::O_TRUNC,
+    ] {
+        assert!(perm(Fs::check_open(&a, flags)), "{flags:#x}");
+    }
+    Fs::check_open(&a, libc::O_WRONLY | libc::O_APPEND).unwrap();
+
+    fs.set_flags(d, app).unwrap();
+    fs.mknod(d, b"h", reg, 0, cr()).unwrap();
+    assert!(perm(fs.unlink(d, b"h")));
+    assert!(perm(fs.rename(d, b"h", ROOT_INO, b"h", nf)));
+
+    for ino in [f, g, d] {
+        fs.fsync(ino, false).unwrap();
+    }
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs);
+    let fs = Fs::open(crashed.clone(), Options::default()).unwrap();
+    let verify = |fs: &Fs| {
+        assert_eq!(fs.get_flags(f).unwrap(), imm | NODUMP as u32);
+        assert_eq!(fs.get_flags(g).unwrap(), app);
+        assert_eq!(fs.get_flags(d).unwrap(), app);
+        assert_eq!(&read_all(fs, g)[..10], b"other+more");
+        assert!(perm(fs.unlink(d, b"h")));
+    };
+    verify(&fs);
+    let fs = remount(&crashed, fs);
+    verify(&fs);
+    for ino in [f, g, d] {
+        fs.set_flags(ino, 0).unwrap();
+    }
+    fs.write(f, 5, b" world").unwrap();
+    assert_eq!(read_all(&fs, f), b"hello world");
+    fs.unlink(d, b"f").unwrap();
+    fs.unlink(d, b"h").unwrap();
+    fs.rename(ROOT_INO, b"g", d, b"g", nf).unwrap();
+    fs.setattr(g, &sz(0)).unwrap();
+    assert!(problems_after_unmount(&crashed, fs).is_empty());
+}
+
 /// Random links, unlinks and renames of three files' long names over two
 /// directories, on 4 KiB nodes (a handful of names fill an INODE_REF item; the rest
 /// are extended refs), against a map of names: after every step the outcome, and
@@ -971,6 +1115,30 @@ fn check_reports_extended_refs_that_do_not_add_up() {
     );
     assert!(
         problems.iter().any(|p| p.contains("link count")),
+        "{problems:?}"
+    );
+    drop(fs);
+}
+
+/// Check reports inode flags birchfs does not know (a damaged inode item).
+#[test]
+fn check_reports_unknown_inode_flags() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.set_flags(f, crate::format::inode_flag::KNOWN as u32)
+        .unwrap();
+    assert!(check_image_after_commit(&fs, &dev).is_empty());
+    fs.with(|i| {
+        let mut item = i.get_inode(f)?;
+        item.flags = (item.flags.get() | 0x4).into();
+        i.put_inode(f, &mut item)
+    })
+    .unwrap();
+    let problems = check_image_after_commit(&fs, &dev);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("unknown inode flags 0x4")),
         "{problems:?}"
     );
     drop(fs);

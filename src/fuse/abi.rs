@@ -237,6 +237,69 @@ pub(crate) fn fstrim_range_bytes(start: u64, len: u64, min_len: u64) -> [u8; 24]
     three_u64s([start, len, min_len])
 }
 
+/// FS_IOC_GETFLAGS (`lsattr`): _IOR('f', 1, long); through FUSE the kernel's
+/// fileattr call asks it with a 4-byte word of `FS_*_FL` bits.
+pub const FS_IOC_GETFLAGS: u32 = 0x8008_6601;
+
+/// FS_IOC_SETFLAGS (`chattr`): _IOW('f', 2, long), a 4-byte word through FUSE.
+pub const FS_IOC_SETFLAGS: u32 = 0x4008_6602;
+
+/// FS_IOC_FSGETXATTR (`xfs_io chattr`): _IOR('X', 31, struct fsxattr).
+pub const FS_IOC_FSGETXATTR: u32 = 0x801c_581f;
+
+/// FS_IOC_FSSETXATTR: _IOW('X', 32, struct fsxattr).
+pub const FS_IOC_FSSETXATTR: u32 = 0x401c_5820;
+
+/// Size of a `struct fsxattr`.
+pub const FSXATTR_SIZE: usize = 28;
+
+/// Each `FS_XFLAG_*` bit birchfs keeps, with the `FS_*_FL` bit it stands for:
+/// immutable, append, noatime, nodump.
+const XFLAGS: [(u32, u32); 4] = [(0x8, 0x10), (0x10, 0x20), (0x40, 0x80), (0x80, 0x40)];
+
+/// `FS_XFLAG_HASATTR`, which only reports that a file has extended attributes.
+const XFLAG_HASATTR: u32 = 0x8000_0000;
+
+/// Decodes a `struct fsxattr` into `FS_*_FL` bits: EINVAL if short, EOPNOTSUPP for
+/// a flag birchfs does not keep or an extent size, project or CoW extent size hint.
+pub(crate) fn fsxattr_flags(b: &[u8]) -> std::result::Result<u32, i32> {
+    let a = Args::new(b.get(..FSXATTR_SIZE).ok_or(libc::EINVAL)?);
+    let (xflags, extsize, projid, cowextsize) = (a.u32(0), a.u32(4), a.u32(12), a.u32(16));
+    let mut flags = 0;
+    let mut left = xflags & !XFLAG_HASATTR;
+    for (x, f) in XFLAGS {
+        if left & x != 0 {
+            flags |= f;
+            left &= !x;
+        }
+    }
+    if left != 0 || extsize != 0 || projid != 0 || cowextsize != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    Ok(flags)
+}
+
+/// Decodes the 4-byte word of `FS_*_FL` bits of FS_IOC_SETFLAGS (None if short).
+pub(crate) fn flags_word(b: &[u8]) -> Option<u32> {
+    Some(Args::new(b.get(..4)?).u32(0))
+}
+
+/// Encodes `FS_*_FL` bits as FS_IOC_GETFLAGS answers them through FUSE.
+pub(crate) fn flags_word_bytes(flags: u32) -> [u8; 4] {
+    flags.to_ne_bytes()
+}
+
+/// Encodes `FS_*_FL` bits as a `struct fsxattr` (no hints, no project).
+pub(crate) fn fsxattr_bytes(flags: u32) -> [u8; FSXATTR_SIZE] {
+    let xflags = XFLAGS
+        .iter()
+        .filter(|(_, f)| flags & f != 0)
+        .fold(0, |x, (b, _)| x | b);
+    let mut out = [0u8; FSXATTR_SIZE];
+    out[..4].copy_from_slice(&u32::to_ne_bytes(xflags));
+    out
+}
+
 /// Three u64s as an ioctl struct holds them.
 pub(crate) fn three_u64s(v: [u64; 3]) -> [u8; 24] {
     let mut out = [0u8; 24];
@@ -584,5 +647,28 @@ mod tests {
             (h.opcode, h.unique, h.nodeid, h.uid, h.gid, h.pid),
             (WRITE, 99, 1, 1000, 100, 4242)
         );
+    }
+
+    /// Every kept flag goes through a `struct fsxattr` and back; HASATTR is ignored
+    /// on the way in, any other bit refused.
+    #[test]
+    fn fsxattr_flags_round_trip() {
+        for flags in [0, 0x10, 0x20, 0x40, 0x80, 0xf0] {
+            assert_eq!(
+                fsxattr_flags(&fsxattr_bytes(flags)),
+                Ok(flags),
+                "{flags:#x}"
+            );
+        }
+        // FS_XFLAG_IMMUTABLE and FS_XFLAG_APPEND, as xfs_io reads them.
+        assert_eq!(fsxattr_bytes(0x10)[..4], 8u32.to_ne_bytes());
+        assert_eq!(fsxattr_bytes(0x20)[..4], 0x10u32.to_ne_bytes());
+        assert_eq!(flags_word(&flags_word_bytes(0x30)), Some(0x30));
+        let mut b = fsxattr_bytes(0x10);
+        b[3] |= 0x80; // FS_XFLAG_HASATTR
+        assert_eq!(fsxattr_flags(&b), Ok(0x10));
+        b[0] |= 0x1; // FS_XFLAG_REALTIME
+        assert_eq!(fsxattr_flags(&b), Err(libc::EOPNOTSUPP));
+        assert_eq!(fsxattr_flags(&b[..27]), Err(libc::EINVAL));
     }
 }

@@ -532,6 +532,7 @@ fn deleted_attr(ino: u64) -> Attr {
         uid: 0,
         gid: 0,
         rdev: 0,
+        flags: 0,
     }
 }
 
@@ -881,6 +882,10 @@ impl FuseFs {
                 let _ = self.fs.release(a.ino);
                 reply.error(err(libc::EISDIR))
             }
+            Ok(a) if Fs::check_open(&a, flags).is_err() => {
+                let _ = self.fs.release(a.ino);
+                reply.error(err(libc::EPERM))
+            }
             Ok(a) if a.kind == FileKind::File => {
                 self.writers.opened(a.ino, flags);
                 match self.direct.open(a.ino, flags, a.size) {
@@ -1055,6 +1060,15 @@ impl FuseFs {
                 }
             };
         }
+        if matches!(
+            cmd,
+            abi::FS_IOC_GETFLAGS
+                | abi::FS_IOC_SETFLAGS
+                | abi::FS_IOC_FSGETXATTR
+                | abi::FS_IOC_FSSETXATTR
+        ) {
+            return self.fileattr(c, nodeid, cmd, in_data, out_size, reply);
+        }
         if cmd != abi::FITRIM && cmd != abi::BIRCHFS_IOC_RESIZE {
             tracing::debug!("ioctl {cmd:#x} on inode {}: not supported", to_ino(nodeid));
             return reply.error(err(libc::ENOTTY));
@@ -1077,6 +1091,64 @@ impl FuseFs {
             }
             Err(e) => reply.error(errno(&e)),
         }
+    }
+
+    /// The inode flags, through the kernel's fileattr calls: FS_IOC_GETFLAGS and
+    /// FS_IOC_SETFLAGS (`lsattr`, `chattr`) as a 4-byte word of `FS_*_FL` bits,
+    /// FS_IOC_FSGETXATTR and FS_IOC_FSSETXATTR (`xfs_io chattr`) as a `struct
+    /// fsxattr`. A change is for root or the owner, and only root may set or clear
+    /// immutable or append-only (the kernel checks as much before it asks).
+    fn fileattr(
+        &self,
+        c: &Caller,
+        nodeid: u64,
+        cmd: u32,
+        in_data: &[u8],
+        out_size: u32,
+        reply: impl AnswerIoctl,
+    ) {
+        let ino = to_ino(nodeid);
+        let xattr = cmd == abi::FS_IOC_FSGETXATTR || cmd == abi::FS_IOC_FSSETXATTR;
+        let get = cmd == abi::FS_IOC_GETFLAGS || cmd == abi::FS_IOC_FSGETXATTR;
+        let want = if xattr { abi::FSXATTR_SIZE } else { 4 };
+        if get && (out_size as usize) < want {
+            return reply.error(err(libc::EINVAL));
+        }
+        let a = match self.fs.getattr(ino) {
+            Ok(a) => a,
+            Err(e) => return reply.error(errno(&e)),
+        };
+        let flags = if get {
+            a.flags
+        } else {
+            let new = if xattr {
+                abi::fsxattr_flags(in_data)
+            } else {
+                abi::flags_word(in_data).ok_or(libc::EINVAL)
+            };
+            let new = match new {
+                Ok(f) => f,
+                Err(e) => return reply.error(err(e)),
+            };
+            let fixed = crate::fs::FIXED as u32;
+            if c.uid != 0 && (c.uid != a.uid || (new ^ a.flags) & fixed != 0) {
+                return reply.error(err(libc::EPERM));
+            }
+            match self.fs.set_flags(ino, new) {
+                Ok(now) => {
+                    tracing::debug!("inode {ino}: flags {:#x} -> {:#x}", a.flags, now.flags);
+                    now.flags
+                }
+                Err(e) => return reply.error(errno(&e)),
+            }
+        };
+        // A set gives nothing back (the kernel asks for no bytes).
+        let out = if xattr {
+            abi::fsxattr_bytes(flags).to_vec()
+        } else {
+            abi::flags_word_bytes(flags).to_vec()
+        };
+        reply.ioctl(0, &out[..want.min(out_size as usize)])
     }
 
     /// [`abi::BIRCHFS_IOC_RESIZE`] (`birchfs resize` of a mount): answers the sizes,
@@ -1633,12 +1705,89 @@ mod tests {
         assert_eq!(rx.recv().unwrap(), Got::Err(libc::EPERM));
         ffs.ioctl(&root, ROOT_INO, abi::FITRIM, &arg[..16], 24, r());
         assert_eq!(rx.recv().unwrap(), Got::Err(libc::EINVAL));
-        ffs.ioctl(&root, ROOT_INO, 0x8008_6601, &[], 8, r());
+        ffs.ioctl(&root, ROOT_INO, 0x8008_7601, &[], 8, r());
         assert_eq!(
             rx.recv().unwrap(),
             Got::Err(libc::ENOTTY),
-            "FS_IOC_GETFLAGS"
+            "FS_IOC_GETVERSION"
         );
+    }
+
+    /// The inode flags through the kernel's fileattr ioctls: FS_IOC_SETFLAGS and
+    /// FS_IOC_FSSETXATTR set what FS_IOC_GETFLAGS and FS_IOC_FSGETXATTR read back;
+    /// immutable and append-only are root's to change, the other flags the owner's
+    /// too; a flag or hint birchfs does not keep is EOPNOTSUPP, a short argument
+    /// EINVAL; an open the flags forbid is EPERM.
+    #[test]
+    fn inode_flags_through_the_fileattr_ioctls() {
+        let Created {
+            fs,
+            ffs,
+            tx,
+            rx,
+            ino,
+            ..
+        } = created(64 << 20);
+        let r = || Reply(tx.clone());
+        let root = caller_root();
+        let owner = Caller {
+            uid: 1000,
+            gid: 100,
+            pid: 1,
+        };
+        let other = Caller { uid: 1001, ..owner };
+        let chown = SetAttr {
+            uid: Some(1000),
+            ..Default::default()
+        };
+        fs.setattr(ino, &chown).unwrap();
+        let get = |cmd, size| {
+            ffs.ioctl(&root, ino, cmd, &[], size, r());
+            rx.recv().unwrap()
+        };
+        let set = |c: &Caller, cmd, arg: &[u8]| {
+            ffs.ioctl(c, ino, cmd, arg, 0, r());
+            rx.recv().unwrap()
+        };
+        let word = |f: u32| abi::flags_word_bytes(f).to_vec();
+        let (imm, app, nodump) = (0x10u32, 0x20u32, 0x40u32);
+        assert_eq!(get(abi::FS_IOC_GETFLAGS, 4), Got::Ioctl(0, word(0)));
+        let ok = Got::Ioctl(0, vec![]);
+        assert_eq!(set(&root, abi::FS_IOC_SETFLAGS, &word(imm)), ok);
+        assert_eq!(get(abi::FS_IOC_GETFLAGS, 4), Got::Ioctl(0, word(imm)));
+        let Got::Ioctl(0, x) = get(abi::FS_IOC_FSGETXATTR, 28) else {
+            panic!("FS_IOC_FSGETXATTR failed")
+        };
+        assert_eq!(x.len(), 28);
+        assert_eq!(x, abi::fsxattr_bytes(imm), "FS_XFLAG_IMMUTABLE");
+        ffs.open(ino, libc::O_RDWR, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EPERM));
+        ffs.open(ino, libc::O_RDONLY, r());
+        assert!(matches!(rx.recv().unwrap(), Got::Handle(_)));
+
+        let eperm = Got::Err(libc::EPERM);
+        assert_eq!(set(&owner, abi::FS_IOC_SETFLAGS, &word(0)), eperm);
+        assert_eq!(set(&owner, abi::FS_IOC_SETFLAGS, &word(imm | nodump)), ok);
+        assert_eq!(set(&other, abi::FS_IOC_SETFLAGS, &word(imm)), eperm);
+        assert_eq!(fs.get_flags(ino).unwrap(), imm | nodump);
+
+        let mut xa = abi::fsxattr_bytes(app);
+        assert_eq!(set(&root, abi::FS_IOC_FSSETXATTR, &xa), ok);
+        assert_eq!(fs.get_flags(ino).unwrap(), app);
+        ffs.open(ino, libc::O_WRONLY, r());
+        assert_eq!(rx.recv().unwrap(), Got::Err(libc::EPERM));
+        ffs.open(ino, libc::O_WRONLY | libc::O_APPEND, r());
+        assert!(matches!(rx.recv().unwrap(), Got::Handle(_)));
+
+        let unsupported = Got::Err(libc::EOPNOTSUPP);
+        assert_eq!(set(&root, abi::FS_IOC_SETFLAGS, &word(0x4)), unsupported);
+        xa[6] = 1; // an extent size hint
+        assert_eq!(set(&root, abi::FS_IOC_FSSETXATTR, &xa), unsupported);
+        let einval = Got::Err(libc::EINVAL);
+        assert_eq!(set(&root, abi::FS_IOC_SETFLAGS, &[0, 0]), einval);
+        assert_eq!(set(&root, abi::FS_IOC_FSSETXATTR, &xa[..20]), einval);
+        assert_eq!(get(abi::FS_IOC_GETFLAGS, 0), einval);
+        assert_eq!(fs.get_flags(ino).unwrap(), app, "unchanged by the refusals");
     }
 
     /// BIRCHFS_IOC_RESIZE, to root and the user who mounted only: a query answers the
