@@ -428,13 +428,33 @@ impl Inner {
     }
 
     /// Refuses (EPERM) what `set` would change that `ino`'s flags forbid: anything
-    /// of an immutable inode; of an append-only one all but its times (which the
-    /// kernel's writeback sets after an append) and the loss of setuid a write brings.
+    /// of an immutable inode. Of an append-only one, as Linux: no size, mode or owner
+    /// change and no access time but now; a modification time only forward (the
+    /// kernel's writeback cache sends the time of an append as a given time), so
+    /// `touch` works and setting an old time does not. A write's loss of setuid is
+    /// not refused.
     pub(crate) fn check_setattr_allowed(&mut self, ino: u64, set: &super::SetAttr) -> Result<()> {
-        let f = self.get_inode(ino)?.flags.get();
-        let times_only =
-            set.size.is_none() && set.mode.is_none() && set.uid.is_none() && set.gid.is_none();
-        if f & inode_flag::IMMUTABLE != 0 || (f & inode_flag::APPEND != 0 && !times_only) {
+        let i = self.get_inode(ino)?;
+        let f = i.flags.get();
+        if f & inode_flag::IMMUTABLE != 0 {
+            return Err(Error::Perm);
+        }
+        if f & inode_flag::APPEND == 0 {
+            return Ok(());
+        }
+        let at = |t: Option<TimeSet>| match t {
+            Some(TimeSet::At(s)) => Some(Timespec::from_system(s)),
+            _ => None,
+        };
+        let key = |t: Timespec| (t.sec.get(), t.nsec.get());
+        let back = at(set.mtime).is_some_and(|t| key(t) < key(i.mtime));
+        if set.size.is_some()
+            || set.mode.is_some()
+            || set.uid.is_some()
+            || set.gid.is_some()
+            || at(set.atime).is_some()
+            || back
+        {
             return Err(Error::Perm);
         }
         Ok(())

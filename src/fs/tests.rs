@@ -910,6 +910,21 @@ fn inode_flags_forbid_changes_and_survive_a_crash_after_fsync() {
     )
     .unwrap();
     assert!(perm(fs.setattr(g, &sz(0)).map(drop)));
+    let epoch = TimeSet::At(std::time::UNIX_EPOCH);
+    let later = TimeSet::At(std::time::SystemTime::now() + std::time::Duration::from_secs(9));
+    for (atime, mtime) in [(Some(epoch), None), (None, Some(epoch))] {
+        let set = SetAttr {
+            atime,
+            mtime,
+            ..Default::default()
+        };
+        assert!(perm(fs.setattr(g, &set).map(drop)), "{set:?}");
+    }
+    let forward = SetAttr {
+        mtime: Some(later),
+        ..Default::default()
+    };
+    fs.setattr(g, &forward).unwrap();
     assert!(perm(
         fs.setattr(
             g,

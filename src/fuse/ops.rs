@@ -613,11 +613,7 @@ impl FuseFs {
         }
         // The kernel keeps the mode it cached (a direct write does not refresh it),
         // and exec decides set-id on that mode: drop it now.
-        if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(to_fuse(ino), -1, 0) {
-                tracing::debug!("invalidating the attributes of inode {ino} failed: {e}");
-            }
-        }
+        self.drop_cached_attrs(ino);
     }
 
     /// Creates a node for caller `c`, with `umask` as [`FuseFs::umask`] says.
@@ -961,17 +957,23 @@ impl FuseFs {
         }
     }
 
+    /// Has the kernel drop the attributes it caches of `ino` (a change it did not
+    /// make through a request that answers them).
+    fn drop_cached_attrs(&self, ino: u64) {
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(to_fuse(ino), -1, 0) {
+                tracing::debug!("invalidating the attributes of inode {ino} failed: {e}");
+            }
+        }
+    }
+
     /// Notes that a writeback of `ino` found no space, so that its writers' next
     /// write() fails (see [`FuseFs::getattr`]).
     fn no_space_for_writeback(&self, ino: u64) {
         if !self.writers.owe_no_space(ino) {
             return;
         }
-        if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(to_fuse(ino), -1, 0) {
-                tracing::debug!("invalidating the attributes of inode {ino} failed: {e}");
-            }
-        }
+        self.drop_cached_attrs(ino);
     }
 
     /// Nothing to do at close: the kernel writes back its dirty pages itself (and
@@ -1137,6 +1139,10 @@ impl FuseFs {
             match self.fs.set_flags(ino, new) {
                 Ok(now) => {
                     tracing::debug!("inode {ino}: flags {:#x} -> {:#x}", a.flags, now.flags);
+                    // The change time moved and the kernel asks no attributes back
+                    // (it keeps a regular file's ctime itself under the writeback
+                    // cache, so there the new one shows once the inode is dropped).
+                    self.drop_cached_attrs(ino);
                     now.flags
                 }
                 Err(e) => return reply.error(errno(&e)),
