@@ -637,6 +637,13 @@ impl Store {
                 .saturating_mul(2)
     }
 
+    /// Whether queued refcount changes may run before the commit: the store takes
+    /// changes, and the room they need comes from outside the reserve (which is the
+    /// commit's to use).
+    pub(crate) fn may_run_refs(&self) -> bool {
+        !self.readonly && !self.failed && !self.alloc.in_reserve()
+    }
+
     /// Number of refcount changes queued.
     pub(crate) fn queued_refs(&self) -> usize {
         self.refs.len()

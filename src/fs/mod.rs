@@ -462,11 +462,7 @@ impl Fs {
             let r = f(&mut g);
             // Short of space, the commit after this operation takes them (it may
             // use the whole reserve; running them here may not).
-            if g.store.queued_refs() > REFS_RUN_AT
-                && !g.store.readonly
-                && !g.store.failed
-                && !g.store.alloc.in_reserve()
-            {
+            if g.store.queued_refs() > REFS_RUN_AT && g.store.may_run_refs() {
                 // An error here has already logged itself and stopped all changes.
                 let _ = g.store.run_some_delayed_refs(REFS_RUN_CHUNK);
             }
@@ -1100,7 +1096,14 @@ impl Fs {
 
     /// Space and inode counts (`df`, `df -i`).
     pub fn statfs(&self) -> StatFs {
-        let g = self.inner.lock();
+        let mut g = self.inner.lock();
+        // Space freed since the last commit (an `rm`) is in queued refcount drops
+        // until they run: running them now shows it free at once, as `df` after
+        // `rm` and `sync` does on btrfs (a sync that never reaches a FUSE daemon).
+        if g.store.queued_refs() > 0 && g.store.may_run_refs() {
+            // An error here has already logged itself and stopped all changes.
+            let _ = g.store.run_some_delayed_refs(usize::MAX);
+        }
         let a = &g.store.alloc;
         let all_free = a.free_bytes() + a.pinned_bytes();
         let free = all_free.saturating_sub(self.cache.dirty_bytes());

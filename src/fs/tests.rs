@@ -1135,6 +1135,32 @@ fn check_reports_extended_refs_that_do_not_add_up() {
     drop(fs);
 }
 
+/// A deleted file's space shows free in statfs at once, before the commit that
+/// lets it be reused (`rm`, then `df`; xfstests generic/015), and a file that needs
+/// that space can then be written.
+#[test]
+fn statfs_shows_a_deleted_files_space_at_once() {
+    let (dev, fs) = mk(64 * MB);
+    let empty = fs.statfs().bfree;
+    let reg = libc::S_IFREG | 0o644;
+    let f = fs.mknod(ROOT_INO, b"f", reg, 0, cr()).unwrap().ino;
+    let data = pattern(40 * MB as usize, 3);
+    fs.write(f, 0, &data).unwrap();
+    fs.commit().unwrap();
+    let full = fs.statfs().bfree;
+    assert!(empty - full >= 40 * MB / BS, "{empty} {full}");
+    let commits = fs.stats().commits;
+    fs.unlink(ROOT_INO, b"f").unwrap();
+    let freed = fs.statfs().bfree;
+    assert_eq!(fs.stats().commits, commits, "no commit in between");
+    assert!(freed + empty / 100 >= empty, "{freed} of {empty} free");
+    let g = fs.mknod(ROOT_INO, b"g", reg, 0, cr()).unwrap().ino;
+    fs.write(g, 0, &data).unwrap();
+    fs.fsync(g, false).unwrap();
+    assert!(read_all(&fs, g) == data);
+    assert!(problems_after_unmount(&dev, fs).is_empty());
+}
+
 /// Check reports inode flags birchfs does not know (a damaged inode item).
 #[test]
 fn check_reports_unknown_inode_flags() {
