@@ -1090,10 +1090,14 @@ impl Fs {
     /// Changes attributes; size changes truncate or extend the file.
     pub fn setattr(&self, ino: u64, set: &super::SetAttr) -> Result<super::Attr> {
         Self::live(ino)?;
-        self.with(|i| i.check_setattr_allowed(ino, set))?;
         let Some(size) = set.size else {
-            return self.with_space(|i| i.setattr(ino, set));
+            return self.with_space(|i| {
+                i.check_setattr_allowed(ino, set)?;
+                i.setattr(ino, set)
+            });
         };
+        // Before cached data past the new size is dropped.
+        self.with(|i| i.check_setattr_allowed(ino, set))?;
         let _f = self.file_lock(ino).write();
         let _w = self.wb_lock(ino).lock();
         if self.with(|i| i.check_file(ino)).is_ok() {

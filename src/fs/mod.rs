@@ -26,11 +26,11 @@ use crate::cache::{CacheOptions, PageCache};
 use crate::dev::{BlockDev, FileDev};
 use crate::error::{Error, Result};
 use crate::format::{inode_flag, objectid, tree, Key, Timespec};
+use crate::stats::{Stats, StatsSnapshot};
+use crate::txn::Store;
 
 /// The inode flags that keep a name and the data from changing.
 pub(crate) const FIXED: u64 = inode_flag::IMMUTABLE | inode_flag::APPEND;
-use crate::stats::{Stats, StatsSnapshot};
-use crate::txn::Store;
 
 pub use acl::is_acl_name;
 pub use inode::{without_suid, Attr, FileKind, SetAttr, TimeSet};
