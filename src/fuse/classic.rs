@@ -468,8 +468,8 @@ impl Filesystem for FuseFs {
         FuseFs::fallocate(self, &caller(req), ino.0, offset, length, mode, reply)
     }
 
-    /// FITRIM, BIRCHFS_IOC_SYNC and BIRCHFS_IOC_RESIZE; ENOTTY for the rest (see
-    /// [`FuseFs::ioctl`]).
+    /// FITRIM, BIRCHFS_IOC_SYNC, BIRCHFS_IOC_RESIZE and the inode flags' ioctls;
+    /// ENOTTY for the rest (see [`FuseFs::ioctl`]).
     fn ioctl(
         &self,
         req: &Request,

@@ -1038,7 +1038,8 @@ impl FuseFs {
     /// in the range asked for and answers how much. [`abi::BIRCHFS_IOC_RESIZE`], for
     /// them too: reports the sizes or grows the filesystem ([`FuseFs::resize`]).
     /// [`abi::BIRCHFS_IOC_SYNC`], for anyone (as sync(2) is): commits what birchfs
-    /// holds and answers whether it reached the disk. Every other ioctl gets ENOTTY,
+    /// holds and answers whether it reached the disk. The inode flags' four, for
+    /// `lsattr` and `chattr` ([`FuseFs::fileattr`]). Every other ioctl gets ENOTTY,
     /// what a kernel filesystem answers for a command it does not know (FICLONE and
     /// the like never reach a FUSE server).
     pub(crate) fn ioctl(
