@@ -108,6 +108,11 @@ impl DelayedRefs {
         out
     }
 
+    /// Every queued head, in address order.
+    pub fn iter(&self) -> impl Iterator<Item = &DelayedRefHead> + '_ {
+        self.heads.iter()
+    }
+
     /// Takes every queued head, in address order.
     pub fn take(&mut self) -> Vec<DelayedRefHead> {
         let out = self.heads.iter().copied().collect();

@@ -644,6 +644,35 @@ impl Store {
         !self.readonly && !self.failed && !self.alloc.in_reserve()
     }
 
+    /// Bytes of data extents whose last reference a queued refcount change drops:
+    /// space the next commit frees (an `rm` since the last one). That takes in
+    /// extents written since the last commit and dropped again (no extent item,
+    /// a net change of zero). Reads the extent tree only; an extent it cannot read
+    /// counts nothing.
+    pub(crate) fn data_freed_by_queued_refs(&mut self) -> u64 {
+        let drops: Vec<(u64, u64, i64)> = self
+            .refs
+            .iter()
+            .filter(|h| h.delta <= 0 && h.flags & EXTENT_FLAG_DATA != 0)
+            .map(|h| (h.bytenr, h.len, h.delta))
+            .collect();
+        let mut bytes = 0;
+        for (bytenr, len, delta) in drops {
+            let key = Key::new(bytenr, kind::EXTENT_ITEM, len);
+            let refs = match self.search(tree::EXTENT, &key) {
+                Ok(Some(v)) => {
+                    ExtentItem::read_from_bytes(&v).map_or(i64::MAX, |e| e.refs.get() as i64)
+                }
+                Ok(None) => 0,
+                Err(_) => i64::MAX,
+            };
+            if refs.saturating_add(delta) <= 0 {
+                bytes += len;
+            }
+        }
+        bytes
+    }
+
     /// Number of refcount changes queued.
     pub(crate) fn queued_refs(&self) -> usize {
         self.refs.len()

@@ -1097,15 +1097,13 @@ impl Fs {
     /// Space and inode counts (`df`, `df -i`).
     pub fn statfs(&self) -> StatFs {
         let mut g = self.inner.lock();
-        // Space freed since the last commit (an `rm`) is in queued refcount drops
-        // until they run: running them now shows it free at once, as `df` after
-        // `rm` and `sync` does on btrfs (a sync that never reaches a FUSE daemon).
-        if g.store.queued_refs() > 0 && g.store.may_run_refs() {
-            // An error here has already logged itself and stopped all changes.
-            let _ = g.store.run_some_delayed_refs(usize::MAX);
-        }
+        // Data an `rm` freed since the last commit waits in queued refcount drops
+        // until then: counted free now, as `df` after `rm` and `sync` shows it on
+        // btrfs (a sync that never reaches a FUSE daemon). An allocation that finds
+        // no room commits and tries again, so that space is to be had.
+        let soon = g.store.data_freed_by_queued_refs();
         let a = &g.store.alloc;
-        let all_free = a.free_bytes() + a.pinned_bytes();
+        let all_free = a.free_bytes() + a.pinned_bytes() + soon;
         let free = all_free.saturating_sub(self.cache.dirty_bytes());
         // Cached writes hold room for their data and for the tree nodes their
         // writeback will copy: none of it is available.

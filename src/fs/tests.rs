@@ -1136,8 +1136,9 @@ fn check_reports_extended_refs_that_do_not_add_up() {
 }
 
 /// A deleted file's space shows free in statfs at once, before the commit that
-/// lets it be reused (`rm`, then `df`; xfstests generic/015), and a file that needs
-/// that space can then be written.
+/// lets it be reused (`rm`, then `df`; xfstests generic/015), whether its data was
+/// committed or only fsynced since the last commit; a file that needs that space
+/// can then be written.
 #[test]
 fn statfs_shows_a_deleted_files_space_at_once() {
     let (dev, fs) = mk(64 * MB);
@@ -1157,7 +1158,19 @@ fn statfs_shows_a_deleted_files_space_at_once() {
     let g = fs.mknod(ROOT_INO, b"g", reg, 0, cr()).unwrap().ino;
     fs.write(g, 0, &data).unwrap();
     fs.fsync(g, false).unwrap();
-    assert!(read_all(&fs, g) == data);
+    let commits = fs.stats().commits;
+    assert!(fs.statfs().bfree + 40 * MB / BS <= empty);
+    fs.unlink(ROOT_INO, b"g").unwrap();
+    let freed = fs.statfs().bfree;
+    assert_eq!(fs.stats().commits, commits, "no commit in between");
+    assert!(
+        freed + empty / 100 >= empty,
+        "fsynced only: {freed} of {empty} free"
+    );
+    let h = fs.mknod(ROOT_INO, b"h", reg, 0, cr()).unwrap().ino;
+    fs.write(h, 0, &data).unwrap();
+    fs.fsync(h, false).unwrap();
+    assert!(read_all(&fs, h) == data);
     assert!(problems_after_unmount(&dev, fs).is_empty());
 }
 
