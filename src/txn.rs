@@ -637,13 +637,6 @@ impl Store {
                 .saturating_mul(2)
     }
 
-    /// Whether queued refcount changes may run before the commit: the store takes
-    /// changes, and the room they need comes from outside the reserve (which is the
-    /// commit's to use).
-    pub(crate) fn may_run_refs(&self) -> bool {
-        !self.readonly && !self.failed && !self.alloc.in_reserve()
-    }
-
     /// Bytes of data extents whose last reference a queued refcount change drops:
     /// space the next commit frees (an `rm` since the last one). That takes in
     /// extents written since the last commit and dropped again (no extent item,
@@ -658,11 +651,8 @@ impl Store {
             .collect();
         let mut bytes = 0;
         for (bytenr, len, delta) in drops {
-            let key = Key::new(bytenr, kind::EXTENT_ITEM, len);
-            let refs = match self.search(tree::EXTENT, &key) {
-                Ok(Some(v)) => {
-                    ExtentItem::read_from_bytes(&v).map_or(i64::MAX, |e| e.refs.get() as i64)
-                }
+            let refs = match self.extent_item(bytenr, len) {
+                Ok(Some(e)) => e.refs.get() as i64,
                 Ok(None) => 0,
                 Err(_) => i64::MAX,
             };
@@ -678,16 +668,21 @@ impl Store {
         self.refs.len()
     }
 
+    /// The extent item of the extent `len` bytes long at `bytenr`, if it has one.
+    fn extent_item(&mut self, bytenr: u64, len: u64) -> Result<Option<ExtentItem>> {
+        let key = Key::new(bytenr, kind::EXTENT_ITEM, len);
+        self.search(tree::EXTENT, &key)?
+            .map(|v| {
+                ExtentItem::read_from_bytes(&v)
+                    .map_err(|_| Error::corrupt("extent item", bytenr, "bad size"))
+            })
+            .transpose()
+    }
+
     /// Applies one queued refcount change to the extent tree.
     fn run_ref_head(&mut self, h: crate::refs::DelayedRefHead) -> Result<()> {
         let key = Key::new(h.bytenr, kind::EXTENT_ITEM, h.len);
-        let old = match self.search(tree::EXTENT, &key)? {
-            Some(v) => Some(
-                ExtentItem::read_from_bytes(&v)
-                    .map_err(|_| Error::corrupt("extent item", h.bytenr, "bad size"))?,
-            ),
-            None => None,
-        };
+        let old = self.extent_item(h.bytenr, h.len)?;
         let old_refs = old.map(|o| o.refs.get() as i64).unwrap_or(0);
         let new_refs = old_refs + h.delta;
         if new_refs < 0 {
@@ -923,13 +918,9 @@ impl Store {
     /// References a tree node has, counting changes queued in this transaction.
     fn node_refs(&mut self, addr: u64) -> Result<i64> {
         let ns = self.sb.node_size as u64;
-        let base = match self.search(tree::EXTENT, &Key::new(addr, kind::EXTENT_ITEM, ns))? {
-            Some(v) => ExtentItem::read_from_bytes(&v)
-                .map_err(|_| Error::corrupt("extent item", addr, "bad size"))?
-                .refs
-                .get() as i64,
-            None => 0,
-        };
+        let base = self
+            .extent_item(addr, ns)?
+            .map_or(0, |e| e.refs.get() as i64);
         Ok(base + self.refs.find(addr).map_or(0, |h| h.delta))
     }
 

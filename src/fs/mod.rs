@@ -462,7 +462,11 @@ impl Fs {
             let r = f(&mut g);
             // Short of space, the commit after this operation takes them (it may
             // use the whole reserve; running them here may not).
-            if g.store.queued_refs() > REFS_RUN_AT && g.store.may_run_refs() {
+            if g.store.queued_refs() > REFS_RUN_AT
+                && !g.store.readonly
+                && !g.store.failed
+                && !g.store.alloc.in_reserve()
+            {
                 // An error here has already logged itself and stopped all changes.
                 let _ = g.store.run_some_delayed_refs(REFS_RUN_CHUNK);
             }
