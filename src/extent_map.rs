@@ -180,9 +180,9 @@ impl ExtentMap {
 /// map of a file is loaded from the tree on first use and then changed alongside it.
 #[derive(Debug, Default)]
 pub(crate) struct MapCache {
-    maps: std::collections::HashMap<u64, (ExtentMap, u64)>,
+    maps: rustc_hash::FxHashMap<u64, (ExtentMap, u64)>,
     /// Files with too many extents to keep; served from the tree.
-    too_big: std::collections::HashSet<u64>,
+    too_big: rustc_hash::FxHashSet<u64>,
     total: usize,
     tick: u64,
 }

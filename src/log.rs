@@ -46,7 +46,7 @@
 //! mount skips a generation with its first commit, and no stale batch is ever read
 //! as a new one.
 
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -71,6 +71,9 @@ const HEADER: usize = std::mem::size_of::<BatchHeader>();
 const _: () = assert!(HEADER == 56);
 /// Batch flag: the last batch of its generation; the next generation's follow it.
 const CLOSES: u32 = 1;
+/// Capacity the pending-records buffer keeps after a batch (a rare huge batch does
+/// not hold its memory for good).
+const KEEP_PENDING: usize = 256 << 10;
 
 /// One logged change.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -329,7 +332,9 @@ impl LogBuffer {
             self.overflow = true;
             return None;
         };
-        let payload = std::mem::take(&mut self.pending);
+        // The pending buffer keeps its capacity: a batch of the same size next
+        // time grows no vector.
+        let payload = &self.pending;
         let mut h = BatchHeader {
             magic: LOG_MAGIC,
             csum: 0.into(),
@@ -341,12 +346,14 @@ impl LogBuffer {
             flags: flags.into(),
         };
         let mut c = crc32c::crc32c(&h.as_bytes()[12..]);
-        c = crc32c::crc32c_append(c, &payload);
+        c = crc32c::crc32c_append(c, payload);
         h.csum = c.into();
         let mut buf = Vec::with_capacity(padded as usize);
         buf.extend_from_slice(h.as_bytes());
-        buf.extend_from_slice(&payload);
+        buf.extend_from_slice(payload);
         buf.resize(padded as usize, 0);
+        self.pending.clear();
+        self.pending.shrink_to(KEEP_PENDING);
         let b = Batch {
             buf,
             offset: at % self.capacity,

@@ -26,9 +26,10 @@
 //! generation can be shared, so a node newer than that is copied without looking its
 //! refcount up. Dropping a deleted snapshot is the mirror image (`drop_step`).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use rustc_hash::FxHashMap;
 use zerocopy::{FromBytes, IntoBytes};
 
 use crate::alloc::Allocator;
@@ -61,7 +62,7 @@ pub(crate) struct Store {
     pub(crate) sb: Superblock,
     /// Generation of the running transaction.
     pub(crate) generation: u64,
-    cache: HashMap<u64, Arc<Node>>,
+    cache: FxHashMap<u64, Arc<Node>>,
     /// Nodes `cache` holds before clean leaves are dropped.
     cache_cap: usize,
     dirty: BTreeSet<u64>,
@@ -266,7 +267,7 @@ impl Store {
             sb,
             generation,
             cache_cap,
-            cache: HashMap::new(),
+            cache: FxHashMap::default(),
             dirty: BTreeSet::new(),
             alloc,
             refs: Default::default(),

@@ -11,7 +11,7 @@
 //! Dirty bytes double as the delayed-allocation reservation: a write is refused with
 //! ENOSPC when the free space could not hold every dirty block once more.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -111,8 +111,8 @@ struct DirtyInode {
 struct State {
     folios: BTreeMap<(u64, u64), Arc<CachedFolio>>,
     /// Inodes with dirty blocks (or a writeback that took them and may fail).
-    dirty_inos: HashMap<u64, DirtyInode>,
-    readahead: HashMap<u64, Readahead>,
+    dirty_inos: rustc_hash::FxHashMap<u64, DirtyInode>,
+    readahead: rustc_hash::FxHashMap<u64, Readahead>,
 }
 
 /// The page cache of one mounted filesystem.

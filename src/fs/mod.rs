@@ -15,7 +15,6 @@ mod snapshot;
 mod space;
 mod xattr;
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -196,9 +195,9 @@ pub(crate) struct Inner {
     pub(crate) store: Store,
     next_ino: u64,
     /// Open handles per inode: an unlinked inode lives until its last one closes.
-    pins: HashMap<u64, u64>,
+    pins: rustc_hash::FxHashMap<u64, u64>,
     /// See [`PendingAttr`].
-    pending: HashMap<u64, PendingAttr>,
+    pending: rustc_hash::FxHashMap<u64, PendingAttr>,
     /// The page cache, to drop the folios of freed inodes.
     cache: Arc<PageCache>,
     /// Extent maps of the files used lately (seed 2).
@@ -300,8 +299,8 @@ impl Fs {
         let mut inner = Inner {
             store,
             next_ino: objectid::FIRST_FREE,
-            pins: HashMap::new(),
-            pending: HashMap::new(),
+            pins: Default::default(),
+            pending: Default::default(),
             maps: Default::default(),
             cache: Arc::new(PageCache::new(CacheOptions {
                 cache_size: 1 << 20,
@@ -329,8 +328,8 @@ impl Fs {
         let mut inner = Inner {
             store,
             next_ino: 0,
-            pins: HashMap::new(),
-            pending: HashMap::new(),
+            pins: Default::default(),
+            pending: Default::default(),
             maps: Default::default(),
             cache: cache.clone(),
         };
