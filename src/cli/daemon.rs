@@ -196,9 +196,14 @@ fn mount_serve(
         anyhow!("cannot mount {}: {e}{hint}", image.display())
     })?);
     let mut cfg = fuser::Config::default();
+    // Absolute, so that `birchfs umount` finds the image from anywhere.
+    let source = std::path::absolute(image)?;
+    let block_device = std::fs::metadata(&source).is_ok_and(|m| {
+        use std::os::unix::fs::FileTypeExt;
+        m.file_type().is_block_device()
+    });
     cfg.mount_options = vec![
-        // Absolute, so that `birchfs umount` finds the image from anywhere.
-        fuser::MountOption::FSName(super::umount::fsname_of(&std::path::absolute(image)?)),
+        fuser::MountOption::FSName(super::umount::fsname_of(&source, block_device)),
         // The type shows as fuse.birchfs (`findmnt -t fuse.birchfs`, `umount -t`). As a
         // kernel option: fuser hands its Subtype only to fusermount, not to mount(2).
         fuser::MountOption::CUSTOM("subtype=birchfs".into()),

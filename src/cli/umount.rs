@@ -37,7 +37,8 @@ struct Mounted {
     dev: Vec<u8>,
     /// Where it is mounted.
     point: PathBuf,
-    /// The image, when it is a birchfs (a FUSE mount whose source is "birchfs:...").
+    /// The image, when it is a birchfs: a FUSE mount whose source is "birchfs:...", or
+    /// of type fuse.birchfs (a block device's mount shows the device's path).
     image: Option<PathBuf>,
 }
 
@@ -52,9 +53,12 @@ fn mounts(mountinfo: &[u8]) -> impl DoubleEndedIterator<Item = Mounted> + '_ {
         let sep = f.iter().position(|x| *x == b"-")?;
         let (fstype, source) = (*f.get(sep + 1)?, *f.get(sep + 2)?);
         let fuse = fstype == b"fuse" || fstype == b"fuseblk" || fstype.starts_with(b"fuse.");
-        let image = source
-            .strip_prefix(b"birchfs:")
-            .filter(|_| fuse)
+        let named = match source.strip_prefix(b"birchfs:") {
+            Some(s) if fuse => Some(s),
+            _ if fstype == b"fuse.birchfs" => Some(source),
+            _ => None,
+        };
+        let image = named
             .map(|s| std::ffi::OsString::from_vec(from_fsname(&unescape(s).into_vec())).into());
         Some(Mounted { dev, point, image })
     })
@@ -125,12 +129,15 @@ fn other_mounts_of(mountinfo: &[u8], mountpoint: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// The mount's source name for `image` ("birchfs:" and its path), which is text: a
-/// byte of the path that is not UTF-8 is written `\xHH`, and a backslash `\\`.
-pub(crate) fn fsname_of(image: &Path) -> String {
+/// The mount's source name for `image`: "birchfs:" and its path for an image file,
+/// the path alone for a block device (as kernel filesystems and other FUSE block
+/// filesystems show theirs, and as tools such as xfstests compare it with the
+/// device they mounted). It is text: a byte of the path that is not UTF-8 is written
+/// `\xHH`, and a backslash `\\`.
+pub(crate) fn fsname_of(image: &Path, block_device: bool) -> String {
     use std::fmt::Write;
     use std::os::unix::ffi::OsStrExt;
-    let mut out = String::from("birchfs:");
+    let mut out = String::from(if block_device { "" } else { "birchfs:" });
     for chunk in image.as_os_str().as_bytes().utf8_chunks() {
         out.push_str(&chunk.valid().replace('\\', "\\\\"));
         for b in chunk.invalid() {
@@ -140,7 +147,7 @@ pub(crate) fn fsname_of(image: &Path) -> String {
     out
 }
 
-/// The path bytes [`fsname_of`] wrote (after "birchfs:").
+/// The path bytes [`fsname_of`] wrote (after "birchfs:", if it wrote that).
 pub(crate) fn from_fsname(b: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -572,11 +579,19 @@ mod tests {
 45 44 0:40 / /mnt/a\\040b rw - fuse.birchfs birchfs:/img/second rw
 46 22 0:41 / /mnt/c rw - fuse sshfs:/x rw
 47 22 0:42 / /mnt/d rw shared:5 - fuseblk birchfs:/dev/loop0 rw
+50 22 0:45 / /mnt/e rw - fuse.birchfs /dev/mapper/flakey\\040test rw
+51 22 0:46 / /mnt/f rw - fuse.other /dev/sdc rw
 ";
         let img = |m: &str| mounted_image(info.as_bytes(), Path::new(m));
         assert_eq!(img("/mnt/a b"), Some(PathBuf::from("/img/second")));
         assert_eq!(img("/mnt/d"), Some(PathBuf::from("/dev/loop0")));
         assert_eq!(img("/mnt/c"), None, "not birchfs");
+        assert_eq!(
+            img("/mnt/e"),
+            Some(PathBuf::from("/dev/mapper/flakey test")),
+            "a block device's mount, known by its type"
+        );
+        assert_eq!(img("/mnt/f"), None, "another FUSE filesystem's device");
         assert_eq!(img("/"), None, "not fuse");
         assert_eq!(img("/mnt"), None, "nothing mounted there");
         let first = info.replace(" fuse.birchfs birchfs:/img/second", " tmpfs none");
@@ -608,13 +623,18 @@ mod tests {
             b"/i/\xc3\xa9",
         ] {
             let p = Path::new(std::ffi::OsStr::from_bytes(path));
-            let name = fsname_of(p);
+            let name = fsname_of(p, false);
             assert_eq!(
                 from_fsname(name.strip_prefix("birchfs:").unwrap().as_bytes()),
                 path
             );
+            assert_eq!(from_fsname(fsname_of(p, true).as_bytes()), path);
         }
-        assert_eq!(fsname_of(Path::new("/i/\u{e9}")), "birchfs:/i/\u{e9}");
+        assert_eq!(
+            fsname_of(Path::new("/i/\u{e9}"), false),
+            "birchfs:/i/\u{e9}"
+        );
+        assert_eq!(fsname_of(Path::new("/dev/loop3"), true), "/dev/loop3");
     }
 
     /// The birchfs a path lies inside is the deepest mount holding it, when that is a
