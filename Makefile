@@ -79,15 +79,15 @@ fmt:
 clean:
 	$(CARGO) clean
 
-# Benchmarks against kernel btrfs, ext4, XFS and a FUSE floor (see bench/bench.py).
+# Benchmarks against kernel btrfs, ext4, XFS, a FUSE floor and a FUSE ceiling (see bench/bench.py).
 # Root; installs fio etc. with apt-get if missing. Results in bench/results[/quick].
 BENCH_PY ?= /usr/bin/python3
 .PHONY: bench bench-quick
 
 bench:
-	$(CARGO) build --release
+	$(CARGO) build --release --bins --examples
 	$(BENCH_PY) bench/bench.py --profile full
 
 bench-quick:
-	$(CARGO) build --release
+	$(CARGO) build --release --bins --examples
 	$(BENCH_PY) bench/bench.py --profile quick

@@ -21,6 +21,10 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
   raw           a directory of the host filesystem, no loop (the limit)  none
   fuse-floor    libfuse's passthrough_ll example (-o writeback, like     loop sectors
                 birchfs) over ext4 on a loop device (the FUSE floor)      (of the ext4)
+  fuse-null     examples/nullfs.rs: a FUSE filesystem that stores         none
+                nothing (fsync returns at once), mounted as birchfs is:
+                the most any filesystem served through /dev/fuse can reach
+                here (the FUSE ceiling; W1, W3, W4 only)
 
 Every target but raw and birchfs-sparse uses one image file in the work directory
 (same disk as the repository), written with zeros (whole once, and before each use
@@ -98,6 +102,7 @@ REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "bench" / "jobs"
 BIRCHFS = REPO / "target" / "release" / "birchfs"
 FSMARK = REPO / "target" / "release" / "fsmark"
+NULLFS = REPO / "target" / "release" / "examples" / "nullfs"
 FUSE_EXAMPLES = Path("/usr/share/doc/libfuse3-dev/examples")
 
 MiB = 1 << 20
@@ -145,14 +150,16 @@ PROFILES = {
 }
 
 TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "birchfs-folio",
-           "birchfs-sparse", "birchfs-uring", "raw", "fuse-floor"]
+           "birchfs-sparse", "birchfs-uring", "raw", "fuse-floor", "fuse-null"]
 KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
 BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-sparse", "birchfs-uring"]
 # Targets that can take snapshots (the W2-snap variant runs on these only).
 SNAPSHOT_TARGETS = ["btrfs", "birchfs-loop", "birchfs-file"]
 # Targets that run only for some workloads.
 ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-sparse": {"W3"},
-            "birchfs-uring": {"W1", "W3", "W4", "W5"}}
+            "birchfs-uring": {"W1", "W3", "W4", "W5"},
+            # It keeps no data, so nothing survives W5's remount.
+            "fuse-null": {"W1", "W3", "W4"}}
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -165,6 +172,7 @@ LABELS = {
     "birchfs-uring": "birchfs (file) uring=on",
     "raw": "raw host dir",
     "fuse-floor": "FUSE floor",
+    "fuse-null": "FUSE ceiling (nullfs)",
 }
 COLORS = {
     "btrfs": "#1f77b4",
@@ -178,6 +186,7 @@ COLORS = {
     "birchfs-uring": "#ff7f0e",
     "raw": "#7f7f7f",
     "fuse-floor": "#bcbd22",
+    "fuse-null": "#17becf",
 }
 
 
@@ -437,6 +446,14 @@ class Target:
                 shutil.rmtree(d)
             d.mkdir(parents=True)
             return d
+        if n == "fuse-null":
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            logf = open(self.log, "w")
+            self.proc = subprocess.Popen([str(NULLFS), str(self.mp)], stdout=logf, stderr=logf)
+            logf.close()
+            if not wait_for(lambda: is_mounted(self.mp), 10):
+                raise RunError(f"nullfs did not mount (see {self.log})")
+            return self.mp
         self.fresh_image()
         if n in ("birchfs-file", "birchfs-folio", "birchfs-sparse", "birchfs-uring"):
             if self.sparse:
@@ -530,7 +547,7 @@ class Target:
             return
         if n in BIRCH:
             self.birch_unmount()
-        elif n == "fuse-floor":
+        elif n in ("fuse-floor", "fuse-null"):
             unmount(self.mp, fuse=True)
             if self.proc:
                 try:
@@ -539,7 +556,8 @@ class Target:
                     self.proc.terminate()
                     self.proc.wait(timeout=10)
                 self.proc = None
-            unmount(self.lower_mp)
+            if n == "fuse-floor":
+                unmount(self.lower_mp)
         else:
             unmount(self.mp)
         if self.dev:
@@ -683,9 +701,9 @@ def ensure_deps(need_build_tools=True):
             subprocess.run(["modprobe", mod], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not Path("/dev/fuse").exists():
         sys.exit("bench: /dev/fuse is missing")
-    for b in (BIRCHFS, FSMARK):
+    for b in (BIRCHFS, FSMARK, NULLFS):
         if not b.exists():
-            sys.exit(f"bench: {b} is missing: run `cargo build --release` first")
+            sys.exit(f"bench: {b} is missing: run `cargo build --release --bins --examples` first")
 
 
 def snapshot_binaries(work):
@@ -696,7 +714,8 @@ def snapshot_binaries(work):
     info = {}
     d = work / "bin"
     d.mkdir(parents=True, exist_ok=True)
-    for name, src in (("birchfs", BIRCHFS), ("fsmark", FSMARK)):
+    global NULLFS
+    for name, src in (("birchfs", BIRCHFS), ("fsmark", FSMARK), ("nullfs", NULLFS)):
         dst = d / name
         tmp = d / f".{name}.tmp"
         shutil.copy2(src, tmp)
@@ -705,7 +724,7 @@ def snapshot_binaries(work):
             "built": datetime.datetime.fromtimestamp(src.stat().st_mtime).astimezone().isoformat(timespec="seconds"),
             "sha256": hashlib.sha256(dst.read_bytes()).hexdigest(),
         }
-    BIRCHFS, FSMARK = d / "birchfs", d / "fsmark"
+    BIRCHFS, FSMARK, NULLFS = d / "birchfs", d / "fsmark", d / "nullfs"
     return info
 
 
