@@ -29,6 +29,28 @@ struct Tree {
     next: u64,
 }
 
+/// Attributes of a new node, made now.
+fn new_attr(ino: u64, kind: FileType, mode: u32, uid: u32, gid: u32) -> FileAttr {
+    let now = SystemTime::now();
+    FileAttr {
+        ino: INodeNo(ino),
+        size: 0,
+        blocks: 0,
+        atime: now,
+        mtime: now,
+        ctime: now,
+        crtime: now,
+        kind,
+        perm: (mode & 0o7777) as u16,
+        nlink: if kind == FileType::Directory { 2 } else { 1 },
+        uid,
+        gid,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
 impl Tree {
     fn add(
         &mut self,
@@ -39,24 +61,7 @@ impl Tree {
         req: &Request,
     ) -> FileAttr {
         self.next += 1;
-        let now = SystemTime::now();
-        let a = FileAttr {
-            ino: INodeNo(self.next),
-            size: 0,
-            blocks: 0,
-            atime: now,
-            mtime: now,
-            ctime: now,
-            crtime: now,
-            kind,
-            perm: (mode & 0o7777) as u16,
-            nlink: if kind == FileType::Directory { 2 } else { 1 },
-            uid: req.uid(),
-            gid: req.gid(),
-            rdev: 0,
-            blksize: 4096,
-            flags: 0,
-        };
+        let a = new_attr(self.next, kind, mode, req.uid(), req.gid());
         self.attrs.insert(self.next, a);
         self.names.insert((parent, name.to_os_string()), self.next);
         a
@@ -285,27 +290,8 @@ fn main() -> std::io::Result<()> {
         next: 1,
         ..Default::default()
     };
-    let now = SystemTime::now();
-    tree.attrs.insert(
-        1,
-        FileAttr {
-            ino: INodeNo(1),
-            size: 0,
-            blocks: 0,
-            atime: now,
-            mtime: now,
-            ctime: now,
-            crtime: now,
-            kind: FileType::Directory,
-            perm: 0o755,
-            nlink: 2,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            blksize: 4096,
-            flags: 0,
-        },
-    );
+    tree.attrs
+        .insert(1, new_attr(1, FileType::Directory, 0o755, 0, 0));
     let mut cfg = fuser::Config::default();
     cfg.mount_options = vec![
         fuser::MountOption::FSName("nullfs".into()),
