@@ -25,6 +25,9 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
                 nothing (fsync returns at once), mounted as birchfs is:
                 the most any filesystem served through /dev/fuse can reach
                 here (the FUSE ceiling; W1, W3, W4 only)
+  fuse-null-flush the same, each fsync also writing a 4 KiB block of a    none
+                file beside the image and flushing it (one host fdatasync
+                per fsync, no group commit: what a kernel filesystem pays)
 
 Every target but raw and birchfs-sparse uses one image file in the work directory
 (same disk as the repository), written with zeros (whole once, and before each use
@@ -150,7 +153,8 @@ PROFILES = {
 }
 
 TARGETS = ["btrfs", "ext4", "ext4-fc", "xfs", "birchfs-loop", "birchfs-file", "birchfs-folio",
-           "birchfs-sparse", "birchfs-uring", "raw", "fuse-floor", "fuse-null"]
+           "birchfs-sparse", "birchfs-uring", "raw", "fuse-floor", "fuse-null",
+           "fuse-null-flush"]
 KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
 BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-sparse", "birchfs-uring"]
 # Targets that can take snapshots (the W2-snap variant runs on these only).
@@ -159,7 +163,7 @@ SNAPSHOT_TARGETS = ["btrfs", "birchfs-loop", "birchfs-file"]
 ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-sparse": {"W3"},
             "birchfs-uring": {"W1", "W3", "W4", "W5"},
             # It keeps no data, so nothing survives W5's remount.
-            "fuse-null": {"W1", "W3", "W4"}}
+            "fuse-null": {"W1", "W3", "W4"}, "fuse-null-flush": {"W1", "W3", "W4"}}
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -173,6 +177,7 @@ LABELS = {
     "raw": "raw host dir",
     "fuse-floor": "FUSE floor",
     "fuse-null": "FUSE ceiling (nullfs)",
+    "fuse-null-flush": "FUSE ceiling + a flush per fsync",
 }
 COLORS = {
     "btrfs": "#1f77b4",
@@ -187,6 +192,7 @@ COLORS = {
     "raw": "#7f7f7f",
     "fuse-floor": "#bcbd22",
     "fuse-null": "#17becf",
+    "fuse-null-flush": "#9edae5",
 }
 
 
@@ -446,10 +452,14 @@ class Target:
                 shutil.rmtree(d)
             d.mkdir(parents=True)
             return d
-        if n == "fuse-null":
+        if n in ("fuse-null", "fuse-null-flush"):
             self.log.parent.mkdir(parents=True, exist_ok=True)
             logf = open(self.log, "w")
-            self.proc = subprocess.Popen([str(NULLFS), str(self.mp)], stdout=logf, stderr=logf)
+            cmd = [str(NULLFS), str(self.mp)]
+            if n == "fuse-null-flush":
+                self.img.parent.mkdir(parents=True, exist_ok=True)
+                cmd += ["2", str(self.img.parent / "nullfs-flush.bin")]
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=logf)
             logf.close()
             if not wait_for(lambda: is_mounted(self.mp), 10):
                 raise RunError(f"nullfs did not mount (see {self.log})")
@@ -547,7 +557,7 @@ class Target:
             return
         if n in BIRCH:
             self.birch_unmount()
-        elif n in ("fuse-floor", "fuse-null"):
+        elif n in ("fuse-floor", "fuse-null", "fuse-null-flush"):
             unmount(self.mp, fuse=True)
             if self.proc:
                 try:

@@ -5,11 +5,17 @@
 //! workload. What it reaches is the ceiling of what any filesystem served through
 //! `/dev/fuse` can reach on that machine: the cost of the round trips alone.
 //!
-//! Run: `cargo run --release --example nullfs -- MOUNTPOINT [THREADS]`, then the
-//! workload in MOUNTPOINT, then `umount MOUNTPOINT`.
+//! With a third argument, a file of the host, each fsync also writes a 4 KiB block
+//! of that file and flushes it (fdatasync), one flush per fsync with no group
+//! commit, as a kernel filesystem on that disk pays: the ceiling with the disk's
+//! flush in it.
+//!
+//! Run: `cargo run --release --example nullfs -- MOUNTPOINT [THREADS [FLUSH_FILE]]`,
+//! then the workload in MOUNTPOINT, then `umount MOUNTPOINT`.
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -70,6 +76,10 @@ impl Tree {
 
 struct NullFs {
     tree: Mutex<Tree>,
+    /// The host file each fsync writes a block of and flushes, if any.
+    flush: Option<std::fs::File>,
+    /// Which block of `flush` the next fsync writes (64 of them, in turn).
+    next_block: std::sync::atomic::AtomicU64,
 }
 
 impl Filesystem for NullFs {
@@ -244,6 +254,17 @@ impl Filesystem for NullFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        use std::os::unix::fs::FileExt;
+        if let Some(f) = &self.flush {
+            let n = self.next_block.fetch_add(1, Ordering::Relaxed) % 64;
+            let block = [n as u8; 4096];
+            if f.write_all_at(&block, n * 4096)
+                .and_then(|()| f.sync_data())
+                .is_err()
+            {
+                return reply.error(Errno::EIO);
+            }
+        }
         reply.ok()
     }
 
@@ -281,11 +302,29 @@ impl Filesystem for NullFs {
 
 fn main() -> std::io::Result<()> {
     let mut args = std::env::args_os().skip(1);
-    let mountpoint = args.next().expect("usage: nullfs MOUNTPOINT [THREADS]");
+    let mountpoint = args
+        .next()
+        .expect("usage: nullfs MOUNTPOINT [THREADS [FLUSH_FILE]]");
     let threads = args
         .next()
         .and_then(|t| t.to_str()?.parse().ok())
         .unwrap_or(2);
+    let flush = match args.next() {
+        Some(path) => {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)?;
+            // Written once whole, so that no fsync allocates on the host.
+            f.write_all_at(&[0; 64 * 4096], 0)?;
+            f.sync_all()?;
+            Some(f)
+        }
+        None => None,
+    };
     let mut tree = Tree {
         next: 1,
         ..Default::default()
@@ -301,6 +340,8 @@ fn main() -> std::io::Result<()> {
     cfg.n_threads = Some(threads);
     let fs = NullFs {
         tree: Mutex::new(tree),
+        flush,
+        next_block: Default::default(),
     };
     fuser::Session::new(fs, mountpoint, &cfg)?.run()
 }
