@@ -182,6 +182,7 @@ fn mount_serve(
         anyhow!("cannot open {}: {e}{hint}", image.display())
     })?;
     let dev_size = birchfs::dev::BlockDev::size(&dev);
+    let block_device = birchfs::dev::BlockDev::is_block_device(&dev);
     let fs = Arc::new(Fs::open(Arc::new(dev), mo.fs.clone()).map_err(|e| {
         // A damaged node the mount itself needs (a tree's root, say): say where the
         // rest of the damage is listed, and how to get the files out.
@@ -198,10 +199,6 @@ fn mount_serve(
     let mut cfg = fuser::Config::default();
     // Absolute, so that `birchfs umount` finds the image from anywhere.
     let source = std::path::absolute(image)?;
-    let block_device = std::fs::metadata(&source).is_ok_and(|m| {
-        use std::os::unix::fs::FileTypeExt;
-        m.file_type().is_block_device()
-    });
     cfg.mount_options = vec![
         fuser::MountOption::FSName(super::umount::fsname_of(&source, block_device)),
         // The type shows as fuse.birchfs (`findmnt -t fuse.birchfs`, `umount -t`). As a
