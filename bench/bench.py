@@ -568,6 +568,9 @@ class Target:
                 self.proc = None
             if n == "fuse-floor":
                 unmount(self.lower_mp)
+            flush_file = self.img.parent / "nullfs-flush.bin"
+            if n == "fuse-null-flush" and flush_file.exists():
+                flush_file.unlink()
         else:
             unmount(self.mp)
         if self.dev:
@@ -719,12 +722,11 @@ def ensure_deps(need_build_tools=True):
 def snapshot_binaries(work):
     """Copies birchfs and fsmark into the work dir and uses the copies for the whole run,
     so a rebuild of target/release during the run cannot mix two versions."""
-    global BIRCHFS, FSMARK
+    global BIRCHFS, FSMARK, NULLFS
     import hashlib
     info = {}
     d = work / "bin"
     d.mkdir(parents=True, exist_ok=True)
-    global NULLFS
     for name, src in (("birchfs", BIRCHFS), ("fsmark", FSMARK), ("nullfs", NULLFS)):
         dst = d / name
         tmp = d / f".{name}.tmp"
