@@ -1243,14 +1243,18 @@ impl NodeStore for Store {
             }
             Stats::add(&self.stats.shared_cows, 1);
         }
-        let mut c = (*n).clone();
-        c.hdr.addr = new;
-        c.hdr.generation = self.generation;
-        if !shared {
+        let mut c = if shared {
             // A shared original stays: a snapshot still reads it, maybe before the
             // commit that wrote it has reached the disk.
+            (*n).clone()
+        } else {
+            // The original leaves the cache; when nothing else holds it, its items
+            // move into the copy instead of being cloned one allocation each.
             self.cache.remove(&addr);
-        }
+            Arc::try_unwrap(n).unwrap_or_else(|held| (*held).clone())
+        };
+        c.hdr.addr = new;
+        c.hdr.generation = self.generation;
         self.cache.insert(new, Arc::new(c));
         self.dirty.insert(new);
         Ok(new)
