@@ -250,8 +250,8 @@ impl Inner {
     /// of extents no longer used; returns the bytes unmapped. The extent map makes the
     /// same change in one drop; if the tree fails part-way, the map is forgotten.
     fn drop_range(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
-        match self.drop_range_tree(ino, start, end) {
-            Ok(n) => {
+        match self.drop_range_tree(ino, start, end, false) {
+            Ok((n, _)) => {
                 self.maps.update(ino, |m| {
                     m.drop_range(start, end);
                 });
@@ -282,8 +282,23 @@ impl Inner {
         }
     }
 
-    fn drop_range_tree(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
+    /// [`Inner::drop_range`] in the tree alone; returns the bytes unmapped.
+    ///
+    /// With `rewritten`, the caller puts an item at `start` next, which replaces the
+    /// one there. An extent that starts at `start` and ends inside the range is then
+    /// left in place, reference and all, and returned (disk address, length): the
+    /// caller drops its reference once its own item is in (one tree search and one
+    /// log record fewer per overwrite). Should that put fail, the old item is still
+    /// whole and counted, so a retry drops it once, as it should.
+    fn drop_range_tree(
+        &mut self,
+        ino: u64,
+        start: u64,
+        end: u64,
+        rewritten: bool,
+    ) -> Result<(u64, Option<(u64, u64)>)> {
         let mut freed = 0;
+        let mut kept = None;
         for (foff, fe) in self.extents_in(ino, start, end)? {
             let n = fe.num_bytes.get();
             let fend = foff + n;
@@ -315,13 +330,16 @@ impl Inner {
                 self.store
                     .insert(tree::FS, extent_key(ino, end), right.as_bytes().to_vec())?;
                 freed += end - foff;
+            } else if rewritten && foff == start {
+                kept = Some((b, l));
+                freed += n;
             } else {
                 self.store.delete(tree::FS, &extent_key(ino, foff))?;
                 self.store.data_ref(b, l, -1);
                 freed += n;
             }
         }
-        Ok(freed)
+        Ok((freed, kept))
     }
 
     /// Shares the blocks of `src` in `[soff, soff + len)` into `dst` at `doff` (all
@@ -492,7 +510,16 @@ impl Inner {
                 self.store.data_ref(b, l, 1);
             }
         }
-        let dropped = self.drop_range(ino, off, off + len)?;
+        // The pieces cover [off, off + len) from `off` on, so the first one's item
+        // replaces the one at `off`, and their `replace`s in the extent map drop what
+        // the map had there: the tree alone needs the drop.
+        let (dropped, mut kept) = match self.drop_range_tree(ino, off, off + len, true) {
+            Ok(r) => r,
+            Err(e) => {
+                self.maps.forget(ino);
+                return Err(e);
+            }
+        };
         let mut nbytes = i.nbytes.get().saturating_sub(dropped);
         let mut pos = off;
         for (p, sums) in space.iter().zip(sums) {
@@ -508,6 +535,10 @@ impl Inner {
             self.put_extent(ino, pos, &fe)?;
             if p.into.is_none() {
                 self.store.data_ref(p.addr, p.len, 1);
+            }
+            if let Some((b, l)) = kept.take() {
+                // The item it was mapped by is replaced now.
+                self.store.data_ref(b, l, -1);
             }
             nbytes += p.len;
             pos += p.len;

@@ -493,6 +493,57 @@ fn readonly_refuses_changes() {
 /// A read-only open that leaves the log unreplayed (norecovery) shows the last commit
 /// alone and leaves the log as it was: a later open still replays the fsync. Asked
 /// of a writable open, it is refused.
+/// An overwrite replaces the file extent item at its start in place (no delete
+/// first) and drops the old extent's reference after: content, extent layout and
+/// every refcount stay right, live, after unmount, and after a crash that replays
+/// the log.
+#[test]
+fn overwrites_that_replace_the_item_at_their_start_keep_refcounts_right() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    let mut model = Vec::new();
+    // Eight extents of two blocks each, one fsync (so one writeback run) apiece.
+    for e in 0..8u64 {
+        let d = pattern(2 * BS as usize, e as u8);
+        fs.write(f.ino, e * 2 * BS, &d).unwrap();
+        fs.fsync(f.ino, true).unwrap();
+        model.extend_from_slice(&d);
+    }
+    assert_eq!(fs.extent_map(f.ino).unwrap().len(), 8);
+    fs.commit().unwrap();
+    let mut put = |fs: &Fs, off: u64, len: u64, seed: u8| {
+        let d = pattern(len as usize, seed);
+        fs.write(f.ino, off, &d).unwrap();
+        fs.fsync(f.ino, true).unwrap();
+        model[off as usize..(off + len) as usize].copy_from_slice(&d);
+    };
+    // Exactly one extent; two whole extents from the start of the first; the start
+    // of an extent and half of it; the start of one to the middle of the next; and
+    // the same whole extent again (its item now points at the first overwrite).
+    put(&fs, 2 * BS, 2 * BS, 100);
+    put(&fs, 4 * BS, 4 * BS, 101);
+    put(&fs, 8 * BS, BS, 102);
+    put(&fs, 12 * BS, 3 * BS, 103);
+    put(&fs, 2 * BS, 2 * BS, 104);
+    assert_eq!(read_all(&fs, f.ino), model);
+    let offsets: Vec<u64> = fs
+        .extent_map(f.ino)
+        .unwrap()
+        .iter()
+        .map(|e| e.offset / BS)
+        .collect();
+    assert_eq!(offsets, [0, 2, 4, 8, 9, 10, 12, 15]);
+    // A crash now: the log holds the overwrites since the commit.
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    assert_eq!(problems_after_unmount(&dev, fs), Vec::<String>::new());
+    let replayed = Fs::open(crashed.clone(), Options::default()).unwrap();
+    assert_eq!(read_all(&replayed, f.ino), model, "the log replayed");
+    assert_eq!(
+        problems_after_unmount(&crashed, replayed),
+        Vec::<String>::new()
+    );
+}
+
 #[test]
 fn no_log_replay_shows_the_last_commit_and_keeps_the_log() {
     let (dev, fs) = mk(64 * MB);
