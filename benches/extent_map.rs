@@ -5,6 +5,11 @@
 //! `one-search-per-extent` rows drop the same ranges the way btrfs did before the
 //! seed: a fresh search from the root for every extent in the range.
 //!
+//! The `extent_map_w3` group times what W3 asks of the maps per fdatasync: the
+//! extents under one random 4 KiB block (`range`) and their replacement by a new
+//! block (`replace`), in four files of 256 MiB that random 4 KiB overwrites have cut
+//! into 65,536 extents each, so the records lie scattered in memory, as on a mount.
+//!
 //! Run: `cargo bench --bench extent_map`.
 
 use std::time::{Duration, Instant};
@@ -91,5 +96,98 @@ fn drop_range(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, drop_range);
+/// Four maps of 65,536 one-block extents, made by random 4 KiB overwrites of one
+/// 256 MiB extent each, so neighbours in the file are far apart in memory.
+fn scattered() -> Vec<ExtentMap> {
+    const FILE: u64 = 256 << 20;
+    let blocks = FILE / 4096;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    (0..4u64)
+        .map(|f| {
+            let mut m = ExtentMap::default();
+            let base = (f + 1) << 36;
+            m.replace(
+                0,
+                Mapping {
+                    disk_bytenr: base,
+                    disk_len: FILE,
+                    offset: 0,
+                    len: FILE,
+                    prealloc: false,
+                    generation: 1,
+                },
+            );
+            // A random order of every block: each one overwritten once.
+            let mut order: Vec<u64> = (0..blocks).collect();
+            for i in (1..order.len()).rev() {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                order.swap(i, ((x >> 33) % (i as u64 + 1)) as usize);
+            }
+            for (n, b) in order.into_iter().enumerate() {
+                let disk = base + FILE + n as u64 * 4096;
+                m.replace(
+                    b * 4096,
+                    Mapping {
+                        disk_bytenr: disk,
+                        disk_len: 4096,
+                        offset: 0,
+                        len: 4096,
+                        prealloc: false,
+                        generation: 2,
+                    },
+                );
+            }
+            assert_eq!(m.len() as u64, blocks);
+            m
+        })
+        .collect()
+}
+
+fn w3_pattern(c: &mut Criterion) {
+    let mut maps = scattered();
+    let blocks = (256u64 << 20) / 4096;
+    let mut g = c.benchmark_group("extent_map_w3");
+    g.warm_up_time(Duration::from_millis(300));
+    g.measurement_time(Duration::from_secs(2));
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    g.bench_function("range of a random block", |b| {
+        b.iter(|| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let (f, blk) = (((x >> 20) % 4) as usize, (x >> 33) % blocks);
+            std::hint::black_box(maps[f].range(blk * 4096, blk * 4096 + 4096))
+        })
+    });
+    let mut disk = 1u64 << 44;
+    g.bench_function("replace a random block", |b| {
+        b.iter(|| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let (f, blk) = (((x >> 20) % 4) as usize, (x >> 33) % blocks);
+            disk += 4096;
+            maps[f].replace(
+                blk * 4096,
+                Mapping {
+                    disk_bytenr: disk,
+                    disk_len: 4096,
+                    offset: 0,
+                    len: 4096,
+                    prealloc: false,
+                    generation: 3,
+                },
+            );
+        })
+    });
+    g.finish();
+    assert!(
+        maps.iter().all(|m| m.len() as u64 == blocks),
+        "every block still mapped once"
+    );
+}
+
+criterion_group!(benches, drop_range, w3_pattern);
 criterion_main!(benches);
