@@ -85,7 +85,11 @@ impl ExtentMap {
 
     /// The extents overlapping `[start, end)`, in order.
     pub fn range(&self, start: u64, end: u64) -> Vec<(u64, Mapping)> {
-        let p = self.list.search(start);
+        self.overlapping(&self.list.search(start), start, end)
+    }
+
+    /// The extents overlapping `[start, end)`, in order, from a search for `start`.
+    fn overlapping(&self, p: &Preds, start: u64, end: u64) -> Vec<(u64, Mapping)> {
         let mut out = Vec::new();
         if let Some(prev) = p.prev() {
             let n = self.list.node(prev);
@@ -93,7 +97,7 @@ impl ExtentMap {
                 out.push((n.start, n.map));
             }
         }
-        let mut at = self.list.after(&p);
+        let mut at = self.list.after(p);
         while let Some(i) = at {
             let n = self.list.node(i);
             if n.start >= end {
@@ -131,6 +135,24 @@ impl ExtentMap {
                 map,
             },
         );
+    }
+
+    /// [`ExtentMap::replace`] that returns what [`ExtentMap::range`] gave before for
+    /// the range it maps: the extents that overlapped it, whole. Still one search.
+    pub fn replace_taking(&mut self, start: u64, map: Mapping) -> Vec<(u64, Mapping)> {
+        let end = start + map.len;
+        let mut p = self.list.search(start);
+        let old = self.overlapping(&p, start, end);
+        self.drop_after(&mut p, start, end);
+        self.list.insert_at(
+            &mut p,
+            Node {
+                start,
+                links: Links::default(),
+                map,
+            },
+        );
+        old
     }
 
     fn drop_after(&mut self, p: &mut Preds, start: u64, end: u64) -> usize {
@@ -227,11 +249,20 @@ impl MapCache {
 
     /// Changes the map of `ino` (if kept) as its extents changed in the tree.
     pub(crate) fn update(&mut self, ino: u64, f: impl FnOnce(&mut ExtentMap)) {
-        if let Some((m, _)) = self.maps.get_mut(&ino) {
-            let before = m.len();
-            f(m);
-            self.total = self.total - before + m.len();
-        }
+        self.update_with(ino, f);
+    }
+
+    /// [`MapCache::update`] with what `f` returns; `None` when the map is not kept.
+    pub(crate) fn update_with<R>(
+        &mut self,
+        ino: u64,
+        f: impl FnOnce(&mut ExtentMap) -> R,
+    ) -> Option<R> {
+        let (m, _) = self.maps.get_mut(&ino)?;
+        let before = m.len();
+        let r = f(m);
+        self.total = self.total - before + m.len();
+        Some(r)
     }
 
     /// Drops the map of `ino` (the tree is the truth; it is loaded again when used).
@@ -309,7 +340,13 @@ mod tests {
                     model.remove(&b);
                 }
             } else {
-                map.replace(start * BS, m(disk, len * BS));
+                if round % 3 == 1 {
+                    map.replace(start * BS, m(disk, len * BS));
+                } else {
+                    let before = map.range(start * BS, (start + len) * BS);
+                    let taken = map.replace_taking(start * BS, m(disk, len * BS));
+                    assert_eq!(taken, before, "round {round}: what replace_taking took");
+                }
                 for b in 0..len {
                     model.insert(start + b, disk + b * BS);
                 }

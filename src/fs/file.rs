@@ -82,13 +82,7 @@ impl Inner {
         start: u64,
         end: u64,
     ) -> Result<Vec<(u64, FileExtent)>> {
-        if self.maps.get(ino).is_none() && !self.maps.is_too_big(ino) {
-            let mut map = ExtentMap::default();
-            for (off, fe) in self.extents_in_tree(ino, 0, u64::MAX >> 1)? {
-                map.replace(off, mapping_of(&fe));
-            }
-            self.maps.put(ino, map);
-        }
+        self.load_map(ino)?;
         match self.maps.get(ino) {
             Some(m) => Ok(m
                 .range(start, end)
@@ -97,6 +91,18 @@ impl Inner {
                 .collect()),
             None => self.extents_in_tree(ino, start, end),
         }
+    }
+
+    /// Loads the extent map of `ino` from the tree unless it is kept or too big.
+    fn load_map(&mut self, ino: u64) -> Result<()> {
+        if self.maps.get(ino).is_none() && !self.maps.is_too_big(ino) {
+            let mut map = ExtentMap::default();
+            for (off, fe) in self.extents_in_tree(ino, 0, u64::MAX >> 1)? {
+                map.replace(off, mapping_of(&fe));
+            }
+            self.maps.put(ino, map);
+        }
+        Ok(())
     }
 
     /// [`Inner::extents_in`] read from the tree.
@@ -250,7 +256,7 @@ impl Inner {
     /// of extents no longer used; returns the bytes unmapped. The extent map makes the
     /// same change in one drop; if the tree fails part-way, the map is forgotten.
     fn drop_range(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
-        match self.drop_range_tree(ino, start, end, false) {
+        match self.drop_range_tree(ino, start, end, false, None) {
             Ok((n, _)) => {
                 self.maps.update(ino, |m| {
                     m.drop_range(start, end);
@@ -289,17 +295,24 @@ impl Inner {
     /// left in place, reference and all, and returned (disk address, length): the
     /// caller drops its reference once its own item is in (one tree search and one
     /// log record fewer per overwrite). Should that put fail, the old item is still
-    /// whole and counted, so a retry drops it once, as it should.
+    /// whole and counted, so a retry drops it once, as it should. `old`: the extents
+    /// overlapping the range when the caller has them already (see
+    /// [`ExtentMap::replace_taking`]).
     fn drop_range_tree(
         &mut self,
         ino: u64,
         start: u64,
         end: u64,
         rewritten: bool,
+        old: Option<Vec<(u64, FileExtent)>>,
     ) -> Result<(u64, Option<(u64, u64)>)> {
         let mut freed = 0;
         let mut kept = None;
-        for (foff, fe) in self.extents_in(ino, start, end)? {
+        let old = match old {
+            Some(v) => v,
+            None => self.extents_in(ino, start, end)?,
+        };
+        for (foff, fe) in old {
             let n = fe.num_bytes.get();
             let fend = foff + n;
             let (b, l) = (fe.disk_bytenr.get(), fe.disk_len.get());
@@ -493,7 +506,8 @@ impl Inner {
     }
 
     /// Maps `space` (already holding the data, with `sums` per piece) at
-    /// block-aligned `off`, replacing what was there.
+    /// block-aligned `off`, replacing what was there. If it fails part-way, the
+    /// file's extent map is forgotten (the tree is the truth).
     fn map_blocks(
         &mut self,
         ino: u64,
@@ -502,7 +516,33 @@ impl Inner {
         space: &[Piece],
         sums: Vec<Vec<u8>>,
     ) -> Result<()> {
+        let r = self.map_blocks_or_fail(ino, i, off, space, sums);
+        if r.is_err() {
+            self.maps.forget(ino);
+        }
+        r
+    }
+
+    fn map_blocks_or_fail(
+        &mut self,
+        ino: u64,
+        i: &mut InodeItem,
+        off: u64,
+        space: &[Piece],
+        sums: Vec<Vec<u8>>,
+    ) -> Result<()> {
         let len: u64 = space.iter().map(|p| p.len).sum();
+        let fes: Vec<FileExtent> = space
+            .iter()
+            .map(|p| match p.into {
+                None => self.whole_extent(FILE_EXTENT_REG, p.addr, p.len),
+                Some((b, l)) => FileExtent {
+                    offset: (p.addr - b).into(),
+                    num_bytes: p.len.into(),
+                    ..self.whole_extent(FILE_EXTENT_REG, b, l)
+                },
+            })
+            .collect();
         // A preallocated extent written in place gets its new reference before the
         // items it replaces drop theirs, so its count never passes through zero.
         for p in space {
@@ -510,29 +550,32 @@ impl Inner {
                 self.store.data_ref(b, l, 1);
             }
         }
-        // The pieces cover [off, off + len) from `off` on, so the first one's item
-        // replaces the one at `off`, and their `replace`s in the extent map drop what
-        // the map had there: the tree alone needs the drop.
-        let (dropped, mut kept) = match self.drop_range_tree(ino, off, off + len, true) {
-            Ok(r) => r,
-            Err(e) => {
-                self.maps.forget(ino);
-                return Err(e);
+        // One piece (an overwrite): the extent map gives the old extents and takes
+        // the new one in one search (seed 2); otherwise each piece's `replace` drops
+        // what the map had under it.
+        let mut mapped = false;
+        let mut old = None;
+        if let [fe] = fes.as_slice() {
+            self.load_map(ino)?;
+            let m = mapping_of(fe);
+            if let Some(v) = self.maps.update_with(ino, |map| map.replace_taking(off, m)) {
+                old = Some(v.iter().map(|(o, m)| (*o, fe_of(m))).collect());
+                mapped = true;
             }
-        };
+        }
+        // The pieces cover [off, off + len) from `off` on, so the first one's item
+        // replaces the one at `off`: the tree alone needs the drop.
+        let (dropped, mut kept) = self.drop_range_tree(ino, off, off + len, true, old)?;
         let mut nbytes = i.nbytes.get().saturating_sub(dropped);
         let mut pos = off;
-        for (p, sums) in space.iter().zip(sums) {
+        for ((p, sums), fe) in space.iter().zip(sums).zip(fes) {
             self.store.insert(tree::CSUM, csum_key(p.addr), sums)?;
-            let fe = match p.into {
-                None => self.whole_extent(FILE_EXTENT_REG, p.addr, p.len),
-                Some((b, l)) => FileExtent {
-                    offset: (p.addr - b).into(),
-                    num_bytes: p.len.into(),
-                    ..self.whole_extent(FILE_EXTENT_REG, b, l)
-                },
-            };
-            self.put_extent(ino, pos, &fe)?;
+            if mapped {
+                self.store
+                    .insert(tree::FS, extent_key(ino, pos), fe.as_bytes().to_vec())?;
+            } else {
+                self.put_extent(ino, pos, &fe)?;
+            }
             if p.into.is_none() {
                 self.store.data_ref(p.addr, p.len, 1);
             }
