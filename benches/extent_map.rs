@@ -96,6 +96,18 @@ fn drop_range(c: &mut Criterion) {
     g.finish();
 }
 
+/// One block at `disk`, written in transaction `generation`.
+fn block(disk: u64, generation: u64) -> Mapping {
+    Mapping {
+        disk_bytenr: disk,
+        disk_len: 4096,
+        offset: 0,
+        len: 4096,
+        prealloc: false,
+        generation,
+    }
+}
+
 /// Four maps of 65,536 one-block extents, made by random 4 KiB overwrites of one
 /// 256 MiB extent each, so neighbours in the file are far apart in memory.
 fn scattered() -> Vec<ExtentMap> {
@@ -127,17 +139,7 @@ fn scattered() -> Vec<ExtentMap> {
             }
             for (n, b) in order.into_iter().enumerate() {
                 let disk = base + FILE + n as u64 * 4096;
-                m.replace(
-                    b * 4096,
-                    Mapping {
-                        disk_bytenr: disk,
-                        disk_len: 4096,
-                        offset: 0,
-                        len: 4096,
-                        prealloc: false,
-                        generation: 2,
-                    },
-                );
+                m.replace(b * 4096, block(disk, 2));
             }
             assert_eq!(m.len() as u64, blocks);
             m
@@ -169,17 +171,7 @@ fn w3_pattern(c: &mut Criterion) {
                 .wrapping_add(1442695040888963407);
             let (f, blk) = (((x >> 20) % 4) as usize, (x >> 33) % blocks);
             disk += 4096;
-            maps[f].replace(
-                blk * 4096,
-                Mapping {
-                    disk_bytenr: disk,
-                    disk_len: 4096,
-                    offset: 0,
-                    len: 4096,
-                    prealloc: false,
-                    generation: 3,
-                },
-            );
+            maps[f].replace(blk * 4096, block(disk, 3));
         })
     });
     g.finish();

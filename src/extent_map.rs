@@ -127,14 +127,17 @@ impl ExtentMap {
     pub fn replace(&mut self, start: u64, map: Mapping) {
         let mut p = self.list.search(start);
         self.drop_after(&mut p, start, start + map.len);
-        self.list.insert_at(
-            &mut p,
-            Node {
-                start,
-                links: Links::default(),
-                map,
-            },
-        );
+        self.put_at(&mut p, start, map);
+    }
+
+    /// Inserts `map` at `start` right after `p`, where a drop of its range left off.
+    fn put_at(&mut self, p: &mut Preds, start: u64, map: Mapping) {
+        let node = Node {
+            start,
+            links: Links::default(),
+            map,
+        };
+        self.list.insert_at(p, node);
     }
 
     /// [`ExtentMap::replace`] that returns what [`ExtentMap::range`] gave before for
@@ -144,14 +147,7 @@ impl ExtentMap {
         let mut p = self.list.search(start);
         let old = self.overlapping(&p, start, end);
         self.drop_after(&mut p, start, end);
-        self.list.insert_at(
-            &mut p,
-            Node {
-                start,
-                links: Links::default(),
-                map,
-            },
-        );
+        self.put_at(&mut p, start, map);
         old
     }
 
