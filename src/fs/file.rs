@@ -553,16 +553,17 @@ impl Inner {
         // One piece (an overwrite): the extent map gives the old extents and takes
         // the new one in one search (seed 2); otherwise each piece's `replace` drops
         // what the map had under it.
-        let mut mapped = false;
-        let mut old = None;
-        if let [fe] = fes.as_slice() {
-            self.load_map(ino)?;
-            let m = mapping_of(fe);
-            if let Some(v) = self.maps.update_with(ino, |map| map.replace_taking(off, m)) {
-                old = Some(v.iter().map(|(o, m)| (*o, fe_of(m))).collect());
-                mapped = true;
+        let old: Option<Vec<(u64, FileExtent)>> = match fes.as_slice() {
+            [fe] => {
+                self.load_map(ino)?;
+                let m = mapping_of(fe);
+                self.maps
+                    .update_with(ino, |map| map.replace_taking(off, m))
+                    .map(|v| v.iter().map(|(o, m)| (*o, fe_of(m))).collect())
             }
-        }
+            _ => None,
+        };
+        let mapped = old.is_some();
         // The pieces cover [off, off + len) from `off` on, so the first one's item
         // replaces the one at `off`: the tree alone needs the drop.
         let (dropped, mut kept) = self.drop_range_tree(ino, off, off + len, true, old)?;

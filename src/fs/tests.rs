@@ -490,9 +490,6 @@ fn readonly_refuses_changes() {
     assert_eq!(fs.read(f.ino, 0, 10).unwrap(), b"old");
 }
 
-/// A read-only open that leaves the log unreplayed (norecovery) shows the last commit
-/// alone and leaves the log as it was: a later open still replays the fsync. Asked
-/// of a writable open, it is refused.
 /// An overwrite replaces the file extent item at its start in place (no delete
 /// first) and drops the old extent's reference after: content, extent layout and
 /// every refcount stay right, live, after unmount, and after a crash that replays
@@ -544,6 +541,9 @@ fn overwrites_that_replace_the_item_at_their_start_keep_refcounts_right() {
     );
 }
 
+/// A read-only open that leaves the log unreplayed (norecovery) shows the last commit
+/// alone and leaves the log as it was: a later open still replays the fsync. Asked
+/// of a writable open, it is refused.
 #[test]
 fn no_log_replay_shows_the_last_commit_and_keeps_the_log() {
     let (dev, fs) = mk(64 * MB);
