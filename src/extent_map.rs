@@ -1,13 +1,21 @@
 //! Extent maps (seed 2): a file's extents in memory, ordered by file offset.
 //!
-//! Dropping a range `[start, end)` does one search (which yields the predecessor at
-//! every level), trims the extent that reaches into the range from the left, then
-//! walks the successors: each one wholly inside goes in O(1), and the last one, which
-//! may stick out past `end`, keeps its tail in place. At most two split records are
-//! needed (the first and the last extent); their room is reserved before the loop.
-//! So a drop covering k of n extents costs O(log n + k).
-
-use crate::skiplist::{Linked, Links, Preds, SkipList};
+//! The map is a B+tree held in memory: leaves keep up to [`LEAF_CAP`] extents with
+//! their file offsets in one sorted array, internal nodes keep up to [`FANOUT`]
+//! children with the first offset of each. A search for a random offset of a map
+//! of 65,536 extents reads a few cache lines per level over four levels, where a
+//! linked structure (a skip list, an rbtree) takes one cache miss per record it
+//! passes, about 25 of them.
+//!
+//! Dropping a range `[start, end)` is one descent to `start` and then a walk to the
+//! right over the leaves the range covers: the extent that reaches into the range
+//! from the left is trimmed, each one wholly inside is removed (a run of them in a
+//! leaf in one move), and the last one, which may stick out past `end`, keeps its
+//! tail in place. At most two split records are needed: the first and the last
+//! extent, or the right part of one extent the range falls inside. So a drop covering
+//! k of n extents costs O(log n + k). A leaf that overflows splits; a node that
+//! empties goes; nodes are not merged otherwise, so a map thinned by drops keeps its
+//! height until its root is left with one child.
 
 /// Where one extent of a file lives: `len` bytes at `offset` into the disk extent
 /// `[disk_bytenr, disk_bytenr + disk_len)`.
@@ -38,159 +46,345 @@ impl Mapping {
     }
 }
 
+/// Most extents in a leaf.
+pub const LEAF_CAP: usize = 32;
+/// Most children of an internal node.
+pub const FANOUT: usize = 32;
+
+/// A node of the in-memory tree. An internal node's `keys[i]` is always the first
+/// offset under `kids[i]`; no node but the root is empty.
 #[derive(Debug, Clone)]
-struct Node {
-    start: u64,
-    links: Links,
-    map: Mapping,
+enum Node {
+    Leaf {
+        starts: Vec<u64>,
+        maps: Vec<Mapping>,
+    },
+    Internal {
+        keys: Vec<u64>,
+        kids: Vec<Node>,
+    },
 }
 
-impl Linked for Node {
-    fn key(&self) -> u64 {
-        self.start
+impl Node {
+    fn empty_leaf() -> Node {
+        Node::Leaf {
+            starts: Vec::new(),
+            maps: Vec::new(),
+        }
     }
-    fn set_key(&mut self, key: u64) {
-        self.start = key;
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Node::Leaf { starts, .. } => starts.is_empty(),
+            Node::Internal { kids, .. } => kids.is_empty(),
+        }
     }
-    fn links(&self) -> &Links {
-        &self.links
+
+    fn first_key(&self) -> u64 {
+        match self {
+            Node::Leaf { starts, .. } => starts[0],
+            Node::Internal { keys, .. } => keys[0],
+        }
     }
-    fn links_mut(&mut self) -> &mut Links {
-        &mut self.links
+
+    /// Splits off the right half when the node holds more than it may; `appended`
+    /// says the last insert went to the end, so the left keeps all but one.
+    fn split_if_full(&mut self, appended: bool) -> Option<Node> {
+        match self {
+            Node::Leaf { starts, maps } => split_leaf(starts, maps, appended),
+            Node::Internal { keys, kids } => (kids.len() > FANOUT).then(|| {
+                let at = split_point(kids.len(), appended);
+                Node::Internal {
+                    keys: keys.split_off(at),
+                    kids: kids.split_off(at),
+                }
+            }),
+        }
+    }
+}
+
+/// Where a node of `len` records splits: in the middle, or before the last record
+/// when records come in order (a map loaded from the tree), so leaves stay full.
+fn split_point(len: usize, appended: bool) -> usize {
+    if appended {
+        len - 1
+    } else {
+        len / 2
+    }
+}
+
+/// The right half of a leaf that holds more than [`LEAF_CAP`] extents.
+fn split_leaf(starts: &mut Vec<u64>, maps: &mut Vec<Mapping>, appended: bool) -> Option<Node> {
+    (starts.len() > LEAF_CAP).then(|| {
+        let at = split_point(starts.len(), appended);
+        Node::Leaf {
+            starts: starts.split_off(at),
+            maps: maps.split_off(at),
+        }
+    })
+}
+
+/// Index of the child whose subtree holds the greatest offset `<= key` (the first
+/// child when there is none).
+fn child_for(keys: &[u64], key: u64) -> usize {
+    keys.partition_point(|&k| k <= key).saturating_sub(1)
+}
+
+/// What one drop pass over the tree is asked to do and gathers.
+struct Drop<'a> {
+    start: u64,
+    end: u64,
+    /// An extent to put at `start` once the range is clear.
+    put: Option<Mapping>,
+    /// Where to copy the extents that overlapped the range, whole.
+    taken: Option<&'a mut Vec<(u64, Mapping)>>,
+    /// Extents removed whole.
+    removed: usize,
+    /// Records added (splits and the put) less records removed.
+    grown: isize,
+}
+
+impl Drop<'_> {
+    /// Applies the drop to the subtree `n`, which the range's start routes to when
+    /// `first` is set; returns a right sibling split off `n`.
+    fn apply(&mut self, n: &mut Node, first: bool) -> Option<Node> {
+        match n {
+            Node::Leaf { starts, maps } => self.leaf(starts, maps, first),
+            Node::Internal { keys, kids } => {
+                let lo = if first {
+                    child_for(keys, self.start)
+                } else {
+                    0
+                };
+                let hi = child_for(keys, self.end - 1).max(lo);
+                let mut appended = false;
+                // Right to left, so that a split or a removal leaves the indexes of
+                // the children still to visit as they were.
+                for i in (lo..=hi).rev() {
+                    let split = self.apply(&mut kids[i], first && i == lo);
+                    if kids[i].is_empty() {
+                        kids.remove(i);
+                        keys.remove(i);
+                        continue;
+                    }
+                    keys[i] = kids[i].first_key();
+                    if let Some(r) = split {
+                        keys.insert(i + 1, r.first_key());
+                        kids.insert(i + 1, r);
+                        appended = i + 2 == kids.len();
+                    }
+                }
+                n.split_if_full(appended)
+            }
+        }
+    }
+
+    fn leaf(
+        &mut self,
+        starts: &mut Vec<u64>,
+        maps: &mut Vec<Mapping>,
+        first: bool,
+    ) -> Option<Node> {
+        let (start, end) = (self.start, self.end);
+        // The first extent at or after `start`; the one before it may reach in.
+        let i = if first {
+            starts.partition_point(|&s| s < start)
+        } else {
+            0
+        };
+        let mut right = None;
+        if i > 0 {
+            let (ps, pm) = (starts[i - 1], maps[i - 1]);
+            if ps + pm.len > start {
+                if let Some(t) = self.taken.as_deref_mut() {
+                    t.push((ps, pm));
+                }
+                maps[i - 1].len = start - ps;
+                if ps + pm.len > end {
+                    // The range is inside one extent: its right part follows it.
+                    right = Some((end, pm.skip(end - ps)));
+                }
+            }
+        }
+        let mut j = i;
+        while j < starts.len() && starts[j] < end {
+            let (s, m) = (starts[j], maps[j]);
+            if let Some(t) = self.taken.as_deref_mut() {
+                t.push((s, m));
+            }
+            if s + m.len > end {
+                // Sticks out past the range: keep its tail, where it is.
+                starts[j] = end;
+                maps[j] = m.skip(end - s);
+                break;
+            }
+            j += 1;
+        }
+        self.removed += j - i;
+        self.grown -= (j - i) as isize;
+        starts.drain(i..j);
+        maps.drain(i..j);
+        let put = if first { self.put.take() } else { None };
+        let mut appended = false;
+        for (s, m) in [right, put.map(|m| (start, m))].into_iter().flatten() {
+            appended = i == starts.len();
+            starts.insert(i, s);
+            maps.insert(i, m);
+            self.grown += 1;
+        }
+        split_leaf(starts, maps, appended)
     }
 }
 
 /// One file's extents, non-overlapping, by file offset.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ExtentMap {
-    list: SkipList<Node>,
+    root: Node,
+    len: usize,
+}
+
+impl Default for ExtentMap {
+    fn default() -> Self {
+        ExtentMap {
+            root: Node::empty_leaf(),
+            len: 0,
+        }
+    }
 }
 
 impl ExtentMap {
     /// Number of extents.
     pub fn len(&self) -> usize {
-        self.list.len()
+        self.len
     }
 
     /// Whether the file has no extents.
     pub fn is_empty(&self) -> bool {
-        self.list.is_empty()
+        self.len == 0
     }
 
     /// The extent holding byte `off`, as (file offset, mapping).
     pub fn lookup(&self, off: u64) -> Option<(u64, Mapping)> {
-        let n = self.list.node(self.list.floor(off)?);
-        (n.start + n.map.len > off).then_some((n.start, n.map))
+        let mut n = &self.root;
+        loop {
+            match n {
+                Node::Internal { keys, kids } => n = &kids[child_for(keys, off)],
+                Node::Leaf { starts, maps } => {
+                    let i = starts.partition_point(|&s| s <= off).checked_sub(1)?;
+                    let (s, m) = (starts[i], maps[i]);
+                    return (s + m.len > off).then_some((s, m));
+                }
+            }
+        }
     }
 
     /// The extents overlapping `[start, end)`, in order.
     pub fn range(&self, start: u64, end: u64) -> Vec<(u64, Mapping)> {
-        self.overlapping(&self.list.search(start), start, end)
-    }
-
-    /// The extents overlapping `[start, end)`, in order, from a search for `start`.
-    fn overlapping(&self, p: &Preds, start: u64, end: u64) -> Vec<(u64, Mapping)> {
-        let mut out = Vec::new();
-        if let Some(prev) = p.prev() {
-            let n = self.list.node(prev);
-            if n.start + n.map.len > start {
-                out.push((n.start, n.map));
+        fn rec(n: &Node, start: u64, end: u64, first: bool, out: &mut Vec<(u64, Mapping)>) {
+            match n {
+                Node::Internal { keys, kids } => {
+                    let lo = if first { child_for(keys, start) } else { 0 };
+                    let hi = child_for(keys, end - 1).max(lo);
+                    for (i, k) in kids.iter().enumerate().take(hi + 1).skip(lo) {
+                        rec(k, start, end, first && i == lo, out);
+                    }
+                }
+                Node::Leaf { starts, maps } => {
+                    let mut i = if first {
+                        starts.partition_point(|&s| s < start)
+                    } else {
+                        0
+                    };
+                    if i > 0 && starts[i - 1] + maps[i - 1].len > start {
+                        out.push((starts[i - 1], maps[i - 1]));
+                    }
+                    while i < starts.len() && starts[i] < end {
+                        out.push((starts[i], maps[i]));
+                        i += 1;
+                    }
+                }
             }
         }
-        let mut at = self.list.after(p);
-        while let Some(i) = at {
-            let n = self.list.node(i);
-            if n.start >= end {
-                break;
-            }
-            out.push((n.start, n.map));
-            at = self.list.next(i);
+        let mut out = Vec::new();
+        if start < end {
+            rec(&self.root, start, end, true, &mut out);
         }
         out
     }
 
     /// Every extent, in order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, Mapping)> + '_ {
-        self.list.iter().map(|n| (n.start, n.map))
+        fn of(n: &Node) -> Box<dyn Iterator<Item = (u64, Mapping)> + '_> {
+            match n {
+                Node::Leaf { starts, maps } => {
+                    Box::new(starts.iter().copied().zip(maps.iter().copied()))
+                }
+                Node::Internal { kids, .. } => Box::new(kids.iter().flat_map(of)),
+            }
+        }
+        of(&self.root)
     }
 
     /// Unmaps `[start, end)`; returns the extents removed whole.
     pub fn drop_range(&mut self, start: u64, end: u64) -> usize {
-        if start >= end {
-            return 0;
-        }
-        let mut p = self.list.search(start);
-        self.drop_after(&mut p, start, end)
+        self.pass(start, end, None, None)
     }
 
-    /// Maps `[start, start + map.len)` to `map`, replacing what was there: one search.
+    /// Maps `[start, start + map.len)` to `map`, replacing what was there: one pass.
     pub fn replace(&mut self, start: u64, map: Mapping) {
-        let mut p = self.list.search(start);
-        self.drop_after(&mut p, start, start + map.len);
-        self.put_at(&mut p, start, map);
-    }
-
-    /// Inserts `map` at `start` right after `p`, where a drop of its range left off.
-    fn put_at(&mut self, p: &mut Preds, start: u64, map: Mapping) {
-        let node = Node {
-            start,
-            links: Links::default(),
-            map,
-        };
-        self.list.insert_at(p, node);
+        self.pass(start, start + map.len, Some(map), None);
     }
 
     /// [`ExtentMap::replace`] that returns what [`ExtentMap::range`] gave before for
-    /// the range it maps: the extents that overlapped it, whole. Still one search.
+    /// the range it maps: the extents that overlapped it, whole. Still one pass.
     pub fn replace_taking(&mut self, start: u64, map: Mapping) -> Vec<(u64, Mapping)> {
-        let end = start + map.len;
-        let mut p = self.list.search(start);
-        let old = self.overlapping(&p, start, end);
-        self.drop_after(&mut p, start, end);
-        self.put_at(&mut p, start, map);
-        old
+        let mut taken = Vec::new();
+        self.pass(start, start + map.len, Some(map), Some(&mut taken));
+        // The pass visits the leaves right to left and each leaf left to right.
+        taken.sort_unstable_by_key(|e| e.0);
+        taken
     }
 
-    fn drop_after(&mut self, p: &mut Preds, start: u64, end: u64) -> usize {
-        // The two split records a drop may need, and the record `replace` adds.
-        self.list.reserve(3);
-        if let Some(prev) = p.prev() {
-            let n = self.list.node(prev);
-            let (ps, pm) = (n.start, n.map);
-            if ps + pm.len > start {
-                self.list.node_mut(prev).map.len = start - ps;
-                if ps + pm.len > end {
-                    // The range is inside one extent: its right part follows the range.
-                    let mut q = *p;
-                    self.list.insert_at(
-                        &mut q,
-                        Node {
-                            start: end,
-                            links: Links::default(),
-                            map: pm.skip(end - ps),
-                        },
-                    );
-                    return 0;
+    /// Drops `[start, end)` and puts `put` at `start`, in one descent.
+    fn pass(
+        &mut self,
+        start: u64,
+        end: u64,
+        put: Option<Mapping>,
+        taken: Option<&mut Vec<(u64, Mapping)>>,
+    ) -> usize {
+        if start >= end {
+            return 0;
+        }
+        let mut d = Drop {
+            start,
+            end,
+            put,
+            taken,
+            removed: 0,
+            grown: 0,
+        };
+        if let Some(right) = d.apply(&mut self.root, true) {
+            let left = std::mem::replace(&mut self.root, Node::empty_leaf());
+            self.root = Node::Internal {
+                keys: vec![left.first_key(), right.first_key()],
+                kids: vec![left, right],
+            };
+        }
+        // A root left with one child hands over to it; an empty one becomes a leaf.
+        loop {
+            match &mut self.root {
+                Node::Internal { kids, .. } if kids.len() == 1 => {
+                    self.root = kids.pop().expect("one child");
                 }
+                Node::Internal { kids, .. } if kids.is_empty() => {
+                    self.root = Node::empty_leaf();
+                }
+                _ => break,
             }
         }
-        let mut removed = 0;
-        while let Some(i) = self.list.after(p) {
-            let n = self.list.node(i);
-            let (s, m) = (n.start, n.map);
-            if s >= end {
-                break;
-            }
-            if s + m.len > end {
-                // Sticks out past the range: keep its tail, where it is.
-                self.list.rekey_after(p, end);
-                self.list.node_mut(i).map = m.skip(end - s);
-                break;
-            }
-            self.list.remove_after(p);
-            removed += 1;
-        }
-        removed
+        self.len = (self.len as isize + d.grown) as usize;
+        d.removed
     }
 }
 
@@ -206,7 +400,7 @@ pub(crate) struct MapCache {
 }
 
 impl MapCache {
-    /// Most records kept in all maps together (about 100 bytes each).
+    /// Most records kept in all maps together (about 60 bytes each).
     const LIMIT: usize = 1 << 18;
 
     /// The map of `ino`, if it is kept.
@@ -299,6 +493,115 @@ mod tests {
         out
     }
 
+    /// Checks the tree's shape and returns (depth, leaves): exact first keys, no
+    /// empty node below the root, capacities, leaves at one depth, ordered extents
+    /// that do not overlap, and the count.
+    fn check_shape(map: &ExtentMap) -> (usize, usize) {
+        fn rec(n: &Node, is_root: bool, depth: usize, out: &mut (Option<usize>, usize)) {
+            assert!(is_root || !n.is_empty(), "empty node below the root");
+            match n {
+                Node::Leaf { starts, maps } => {
+                    assert_eq!(starts.len(), maps.len());
+                    assert!(starts.len() <= LEAF_CAP);
+                    assert_eq!(*out.0.get_or_insert(depth), depth, "leaves at one depth");
+                    out.1 += 1;
+                }
+                Node::Internal { keys, kids } => {
+                    assert_eq!(keys.len(), kids.len());
+                    assert!(kids.len() <= FANOUT);
+                    assert!(!is_root || kids.len() > 1, "a root with one child");
+                    for (k, kid) in keys.iter().zip(kids) {
+                        assert_eq!(*k, kid.first_key(), "key is the child's first offset");
+                        rec(kid, false, depth + 1, out);
+                    }
+                }
+            }
+        }
+        let mut out = (None, 0);
+        rec(&map.root, true, 0, &mut out);
+        let all: Vec<_> = map.iter().collect();
+        assert_eq!(all.len(), map.len());
+        for w in all.windows(2) {
+            assert!(w[0].0 + w[0].1.len <= w[1].0, "ordered, no overlap");
+        }
+        assert!(all.iter().all(|(_, m)| m.len > 0), "no empty extent");
+        (out.0.unwrap_or(0), out.1)
+    }
+
+    #[test]
+    fn a_map_loaded_in_order_fills_its_leaves() {
+        let mut map = ExtentMap::default();
+        for i in 0..10_000 {
+            map.replace(i * BS, m(i * BS, BS));
+        }
+        let (depth, leaves) = check_shape(&map);
+        assert_eq!(leaves, 10_000usize.div_ceil(LEAF_CAP));
+        assert_eq!(depth, 2, "313 full leaves under 10 nodes under the root");
+        // Dropping all of it leaves one empty leaf.
+        assert_eq!(map.drop_range(0, 10_000 * BS), 10_000);
+        assert!(map.is_empty());
+        assert_eq!(check_shape(&map), (0, 1));
+    }
+
+    #[test]
+    fn random_overwrites_and_wide_drops_keep_the_tree_whole() {
+        // W3's pattern on a file of 8,192 blocks, with drops that span many leaves
+        // and internal nodes, against a per-block model.
+        const N: u64 = 8192;
+        let mut map = ExtentMap::default();
+        map.replace(0, m(1 << 40, N * BS));
+        let mut model: BTreeMap<u64, u64> = (0..N).map(|b| (b, (1 << 40) + b * BS)).collect();
+        let mut x = 7u64;
+        let mut disk = 1u64 << 30;
+        let mut max_depth = 0;
+        for round in 0..60_000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let b = (x >> 33) % N;
+            if round % 997 == 996 {
+                let len = 1 + (x >> 12) % 3000;
+                let before = map.range(b * BS, (b + len) * BS);
+                let whole = before
+                    .iter()
+                    .filter(|(s, mp)| *s >= b * BS && s + mp.len <= (b + len) * BS)
+                    .count();
+                assert_eq!(map.drop_range(b * BS, (b + len) * BS), whole);
+                for k in b..b + len {
+                    model.remove(&k);
+                }
+            } else {
+                let len = if round % 5 == 0 {
+                    1 + (x >> 12) % 64
+                } else {
+                    1
+                };
+                let before = map.range(b * BS, (b + len) * BS);
+                assert_eq!(map.replace_taking(b * BS, m(disk, len * BS)), before);
+                for k in 0..len {
+                    model.insert(b + k, disk + k * BS);
+                }
+                disk += len * BS;
+            }
+            if round % 1000 == 0 || round % 997 == 996 {
+                max_depth = max_depth.max(check_shape(&map).0);
+                assert_eq!(blocks(&map), model, "round {round}");
+            }
+        }
+        assert!(max_depth >= 2, "the test reached internal nodes");
+        assert_eq!(blocks(&map), model);
+        let probe = 4000 * BS + 5;
+        let want = model.get(&4000).copied();
+        let got = map
+            .lookup(probe)
+            .map(|(s, mp)| mp.disk_bytenr + mp.offset + (probe - s) / BS * BS);
+        assert_eq!(got, want);
+        // Truncating everything empties the tree.
+        map.drop_range(0, u64::MAX >> 1);
+        assert!(map.is_empty() && map.iter().next().is_none());
+        check_shape(&map);
+    }
+
     #[test]
     fn seed_two_example_needs_two_splits() {
         // [1M, 3M) [3M, 6M) [6M, 10M); drop [2M, 8M).
@@ -349,6 +652,7 @@ mod tests {
                 disk += len * BS;
             }
             assert_eq!(blocks(&map), model, "round {round}");
+            check_shape(&map);
             let probe = ((x >> 8) % 600) * BS + 17;
             let want = model.get(&(probe / BS)).copied();
             let got = map
