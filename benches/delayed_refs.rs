@@ -40,9 +40,6 @@ macro_rules! linked {
             fn key(&self) -> u64 {
                 self.bytenr
             }
-            fn set_key(&mut self, key: u64) {
-                self.bytenr = key;
-            }
             fn links(&self) -> &Links {
                 &self.links
             }

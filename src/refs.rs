@@ -47,9 +47,6 @@ impl Linked for DelayedRefHead {
     fn key(&self) -> u64 {
         self.bytenr
     }
-    fn set_key(&mut self, key: u64) {
-        self.bytenr = key;
-    }
     fn links(&self) -> &Links {
         &self.links
     }

@@ -4,8 +4,9 @@
 //!
 //! Searching returns the predecessor at every level; with it, a run of successors is
 //! unlinked one by one in O(1) each (their predecessors are already known), so
-//! removing k neighbours after one search costs O(log n + k) (seed 2), and an insert
-//! after a search needs no second one. Levels grow with probability 1/4.
+//! removing k neighbours after one search costs O(log n + k), and an insert after a
+//! search needs no second one. Levels grow with probability 1/4. The delayed-ref
+//! heads of a transaction live in one (seed 4, `refs.rs`).
 
 /// Most levels of a tower: enough for 4^12 (16 million) records.
 pub const MAX_LEVEL: usize = 12;
@@ -36,8 +37,6 @@ impl Default for Links {
 pub trait Linked {
     /// The record's key.
     fn key(&self) -> u64;
-    /// Changes the key; the caller keeps the order.
-    fn set_key(&mut self, key: u64);
     /// The record's links.
     fn links(&self) -> &Links;
     /// The record's links, to change.
@@ -47,13 +46,6 @@ pub trait Linked {
 /// Predecessors of a key at every level, from [`SkipList::search`].
 #[derive(Debug, Clone, Copy)]
 pub struct Preds([u32; MAX_LEVEL]);
-
-impl Preds {
-    /// The node right before the key, if it is not the head.
-    pub fn prev(&self) -> Option<u32> {
-        (self.0[0] != HEAD).then_some(self.0[0])
-    }
-}
 
 /// The ordered map; a node is named by its arena index, stable while it lives.
 #[derive(Debug, Clone)]
@@ -155,17 +147,6 @@ impl<N: Linked + Clone> SkipList<N> {
         (n != NIL).then_some(n)
     }
 
-    /// The node with the greatest key at or below `key`.
-    pub fn floor(&self, key: u64) -> Option<u32> {
-        let p = self.search(key.saturating_add(1));
-        if key == u64::MAX {
-            if let Some(n) = self.after(&p) {
-                return Some(n);
-            }
-        }
-        p.prev()
-    }
-
     /// The node with exactly `key`.
     pub fn find(&self, key: u64) -> Option<u32> {
         let p = self.search(key);
@@ -179,14 +160,6 @@ impl<N: Linked + Clone> SkipList<N> {
         self.rng ^= self.rng >> 27;
         let r = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
         (1 + (r.trailing_zeros() / 2) as usize).min(MAX_LEVEL)
-    }
-
-    /// Makes room so the next `n` inserts allocate nothing.
-    pub fn reserve(&mut self, n: usize) {
-        let spare = self.free.len();
-        if n > spare {
-            self.nodes.reserve(n - spare);
-        }
     }
 
     /// Inserts `node` right after `preds` (from a search for its key, with nothing
@@ -261,14 +234,6 @@ impl<N: Linked + Clone> SkipList<N> {
     pub fn iter(&self) -> impl Iterator<Item = &N> + '_ {
         std::iter::successors(self.first(), move |&n| self.next(n)).map(move |n| self.node(n))
     }
-
-    /// Changes the key of the node after `preds` in place; the new key must still sit
-    /// between its neighbours.
-    pub fn rekey_after(&mut self, preds: &Preds, key: u64) {
-        let at = self.links(preds.0[0]).next[0];
-        debug_assert!(at != NIL);
-        self.node_mut(at).set_key(key);
-    }
 }
 
 #[cfg(test)]
@@ -286,9 +251,6 @@ mod tests {
     impl Linked for T {
         fn key(&self) -> u64 {
             self.key
-        }
-        fn set_key(&mut self, key: u64) {
-            self.key = key;
         }
         fn links(&self) -> &Links {
             &self.links
@@ -337,8 +299,6 @@ mod tests {
                 let want: Vec<(u64, u32)> = m.iter().map(|(k, v)| (*k, *v)).collect();
                 assert_eq!(got, want);
             }
-            let f = s.floor(key).map(|n| s.node(n).key());
-            assert_eq!(f, m.range(..=key).next_back().map(|(k, _)| *k));
         }
         assert_eq!(s.len(), m.len());
     }
