@@ -7,12 +7,13 @@
 //! linked structure (a skip list, an rbtree) takes one cache miss per record it
 //! passes, about 25 of them.
 //!
-//! Dropping a range `[start, end)` is one descent to `start` and then a walk to the
-//! right over the leaves the range covers: the extent that reaches into the range
-//! from the left is trimmed, each one wholly inside is removed (a run of them in a
-//! leaf in one move), and the last one, which may stick out past `end`, keeps its
-//! tail in place. At most two split records are needed: the first and the last
-//! extent, or the right part of one extent the range falls inside. So a drop covering
+//! Dropping a range `[start, end)` is one pass: a descent to `start` that goes on over
+//! the leaves the range covers (right to left, so that the indexes of the children
+//! still to visit do not move): the extent that reaches into the range from the left
+//! is trimmed, each one wholly inside is removed (a run of them in a leaf in one
+//! move), and the last one, which may stick out past `end`, keeps its tail in place.
+//! Only the first and the last extent are cut, and a record is added only when the
+//! range falls inside one extent (its right part). So a drop covering
 //! k of n extents costs O(log n + k). A leaf that overflows splits; a node that
 //! empties goes; nodes are not merged otherwise, so a map thinned by drops keeps its
 //! height until its root is left with one child.
@@ -113,13 +114,23 @@ fn split_point(len: usize, appended: bool) -> usize {
     }
 }
 
-/// The right half of a leaf that holds more than [`LEAF_CAP`] extents.
+/// Room for a leaf's extents: a pass adds at most two before the leaf splits.
+const LEAF_ROOM: usize = LEAF_CAP + 2;
+
+/// The right half of a leaf that holds more than [`LEAF_CAP`] extents. Both halves
+/// get room for [`LEAF_ROOM`] extents and never grow past it.
 fn split_leaf(starts: &mut Vec<u64>, maps: &mut Vec<Mapping>, appended: bool) -> Option<Node> {
     (starts.len() > LEAF_CAP).then(|| {
         let at = split_point(starts.len(), appended);
+        let mut rs = Vec::with_capacity(LEAF_ROOM);
+        let mut rm = Vec::with_capacity(LEAF_ROOM);
+        rs.extend(starts.drain(at..));
+        rm.extend(maps.drain(at..));
+        starts.shrink_to(LEAF_ROOM);
+        maps.shrink_to(LEAF_ROOM);
         Node::Leaf {
-            starts: starts.split_off(at),
-            maps: maps.split_off(at),
+            starts: rs,
+            maps: rm,
         }
     })
 }
@@ -131,7 +142,7 @@ fn child_for(keys: &[u64], key: u64) -> usize {
 }
 
 /// What one drop pass over the tree is asked to do and gathers.
-struct Drop<'a> {
+struct Pass<'a> {
     start: u64,
     end: u64,
     /// An extent to put at `start` once the range is clear.
@@ -144,7 +155,7 @@ struct Drop<'a> {
     grown: isize,
 }
 
-impl Drop<'_> {
+impl Pass<'_> {
     /// Applies the drop to the subtree `n`, which the range's start routes to when
     /// `first` is set; returns a right sibling split off `n`.
     fn apply(&mut self, n: &mut Node, first: bool) -> Option<Node> {
@@ -278,7 +289,7 @@ impl ExtentMap {
         }
     }
 
-    /// The extents overlapping `[start, end)`, in order.
+    /// The extents overlapping `[start, end)`, in order (none for an empty range).
     pub fn range(&self, start: u64, end: u64) -> Vec<(u64, Mapping)> {
         fn rec(n: &Node, start: u64, end: u64, first: bool, out: &mut Vec<(u64, Mapping)>) {
             match n {
@@ -331,6 +342,7 @@ impl ExtentMap {
     }
 
     /// Maps `[start, start + map.len)` to `map`, replacing what was there: one pass.
+    /// An empty `map` changes nothing.
     pub fn replace(&mut self, start: u64, map: Mapping) {
         self.pass(start, start + map.len, Some(map), None);
     }
@@ -356,7 +368,7 @@ impl ExtentMap {
         if start >= end {
             return 0;
         }
-        let mut d = Drop {
+        let mut d = Pass {
             start,
             end,
             put,
@@ -400,7 +412,7 @@ pub(crate) struct MapCache {
 }
 
 impl MapCache {
-    /// Most records kept in all maps together (about 60 bytes each).
+    /// Most records kept in all maps together (60–90 bytes each: 56 bytes in leaves of room for 34, most of it used).
     const LIMIT: usize = 1 << 18;
 
     /// The map of `ino`, if it is kept.
@@ -503,6 +515,9 @@ mod tests {
                 Node::Leaf { starts, maps } => {
                     assert_eq!(starts.len(), maps.len());
                     assert!(starts.len() <= LEAF_CAP);
+                    if !is_root {
+                        assert!(starts.capacity() <= LEAF_ROOM && maps.capacity() <= LEAF_ROOM);
+                    }
                     assert_eq!(*out.0.get_or_insert(depth), depth, "leaves at one depth");
                     out.1 += 1;
                 }
@@ -619,6 +634,11 @@ mod tests {
         map.drop_range(9 * M, 9 * M + BS);
         let got: Vec<(u64, u64)> = map.iter().map(|(s, x)| (s, x.len)).collect();
         assert_eq!(got, vec![(M, M), (8 * M, M), (9 * M + BS, M - BS)]);
+        // Empty ranges ask for nothing and change nothing.
+        assert!(map.range(M + BS, M + BS).is_empty());
+        assert_eq!(map.drop_range(M + BS, M), 0);
+        assert!(map.replace_taking(M + BS, m(7 * M, 0)).is_empty());
+        assert_eq!(map.len(), 3);
     }
 
     #[test]
