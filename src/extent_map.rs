@@ -87,21 +87,17 @@ impl Node {
             Node::Internal { keys, .. } => keys[0],
         }
     }
+}
 
-    /// Splits off the right half when the node holds more than it may; `appended`
-    /// says the last insert went to the end, so the left keeps all but one.
-    fn split_if_full(&mut self, appended: bool) -> Option<Node> {
-        match self {
-            Node::Leaf { starts, maps } => split_leaf(starts, maps, appended),
-            Node::Internal { keys, kids } => (kids.len() > FANOUT).then(|| {
-                let at = split_point(kids.len(), appended);
-                Node::Internal {
-                    keys: keys.split_off(at),
-                    kids: kids.split_off(at),
-                }
-            }),
+/// The right half of an internal node that holds more than [`FANOUT`] children.
+fn split_internal(keys: &mut Vec<u64>, kids: &mut Vec<Node>, appended: bool) -> Option<Node> {
+    (kids.len() > FANOUT).then(|| {
+        let at = split_point(kids.len(), appended);
+        Node::Internal {
+            keys: keys.split_off(at),
+            kids: kids.split_off(at),
         }
-    }
+    })
 }
 
 /// Where a node of `len` records splits: in the middle, or before the last record
@@ -151,7 +147,7 @@ struct Pass<'a> {
     taken: Option<&'a mut Vec<(u64, Mapping)>>,
     /// Extents removed whole.
     removed: usize,
-    /// Records added (splits and the put) less records removed.
+    /// Records added (the right part of a cut extent, the put) less records removed.
     grown: isize,
 }
 
@@ -185,7 +181,7 @@ impl Pass<'_> {
                         appended = i + 2 == kids.len();
                     }
                 }
-                n.split_if_full(appended)
+                split_internal(keys, kids, appended)
             }
         }
     }

@@ -256,36 +256,37 @@ impl Inner {
     /// of extents no longer used; returns the bytes unmapped. The extent map makes the
     /// same change in one drop; if the tree fails part-way, the map is forgotten.
     fn drop_range(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
-        match self.drop_range_tree(ino, start, end, false, None) {
-            Ok((n, _)) => {
-                self.maps.update(ino, |m| {
-                    m.drop_range(start, end);
-                });
-                Ok(n)
-            }
-            Err(e) => {
-                self.maps.forget(ino);
-                Err(e)
-            }
+        let (n, _) =
+            self.forgetting_map_on_error(ino, |s| s.drop_range_tree(ino, start, end, false, None))?;
+        self.maps.update(ino, |m| {
+            m.drop_range(start, end);
+        });
+        Ok(n)
+    }
+
+    /// Runs `f`, which changes the extents of `ino` in the tree; if it fails, the
+    /// file's extent map is forgotten (the tree is the truth, and may be half done).
+    fn forgetting_map_on_error<R>(
+        &mut self,
+        ino: u64,
+        f: impl FnOnce(&mut Self) -> Result<R>,
+    ) -> Result<R> {
+        let r = f(self);
+        if r.is_err() {
+            self.maps.forget(ino);
         }
+        r
     }
 
     /// Puts a file extent item at `off` and into the extent map (which the caller has
     /// cleared there).
     fn put_extent(&mut self, ino: u64, off: u64, fe: &FileExtent) -> Result<()> {
-        match self
-            .store
-            .insert(tree::FS, extent_key(ino, off), fe.as_bytes().to_vec())
-        {
-            Ok(()) => {
-                self.maps.update(ino, |m| m.replace(off, mapping_of(fe)));
-                Ok(())
-            }
-            Err(e) => {
-                self.maps.forget(ino);
-                Err(e)
-            }
-        }
+        self.forgetting_map_on_error(ino, |s| {
+            s.store
+                .insert(tree::FS, extent_key(ino, off), fe.as_bytes().to_vec())
+        })?;
+        self.maps.update(ino, |m| m.replace(off, mapping_of(fe)));
+        Ok(())
     }
 
     /// [`Inner::drop_range`] in the tree alone; returns the bytes unmapped.
@@ -516,79 +517,66 @@ impl Inner {
         space: &[Piece],
         sums: Vec<Vec<u8>>,
     ) -> Result<()> {
-        let r = self.map_blocks_or_fail(ino, i, off, space, sums);
-        if r.is_err() {
-            self.maps.forget(ino);
-        }
-        r
-    }
-
-    fn map_blocks_or_fail(
-        &mut self,
-        ino: u64,
-        i: &mut InodeItem,
-        off: u64,
-        space: &[Piece],
-        sums: Vec<Vec<u8>>,
-    ) -> Result<()> {
-        let len: u64 = space.iter().map(|p| p.len).sum();
-        let fes: Vec<FileExtent> = space
-            .iter()
-            .map(|p| match p.into {
-                None => self.whole_extent(FILE_EXTENT_REG, p.addr, p.len),
-                Some((b, l)) => FileExtent {
-                    offset: (p.addr - b).into(),
-                    num_bytes: p.len.into(),
-                    ..self.whole_extent(FILE_EXTENT_REG, b, l)
-                },
-            })
-            .collect();
-        // A preallocated extent written in place gets its new reference before the
-        // items it replaces drop theirs, so its count never passes through zero.
-        for p in space {
-            if let Some((b, l)) = p.into {
-                self.store.data_ref(b, l, 1);
+        self.forgetting_map_on_error(ino, |s| {
+            let len: u64 = space.iter().map(|p| p.len).sum();
+            let fes: Vec<FileExtent> = space
+                .iter()
+                .map(|p| match p.into {
+                    None => s.whole_extent(FILE_EXTENT_REG, p.addr, p.len),
+                    Some((b, l)) => FileExtent {
+                        offset: (p.addr - b).into(),
+                        num_bytes: p.len.into(),
+                        ..s.whole_extent(FILE_EXTENT_REG, b, l)
+                    },
+                })
+                .collect();
+            // A preallocated extent written in place gets its new reference before the
+            // items it replaces drop theirs, so its count never passes through zero.
+            for p in space {
+                if let Some((b, l)) = p.into {
+                    s.store.data_ref(b, l, 1);
+                }
             }
-        }
-        // One piece (an overwrite): the extent map gives the old extents and takes
-        // the new one in one search (seed 2); otherwise each piece's `replace` drops
-        // what the map had under it.
-        let old: Option<Vec<(u64, FileExtent)>> = match fes.as_slice() {
-            [fe] => {
-                self.load_map(ino)?;
-                let m = mapping_of(fe);
-                self.maps
-                    .update_with(ino, |map| map.replace_taking(off, m))
-                    .map(|v| v.iter().map(|(o, m)| (*o, fe_of(m))).collect())
+            // One piece (an overwrite): the extent map gives the old extents and takes
+            // the new one in one search (seed 2); otherwise each piece's `replace` drops
+            // what the map had under it.
+            let old: Option<Vec<(u64, FileExtent)>> = match fes.as_slice() {
+                [fe] => {
+                    s.load_map(ino)?;
+                    let m = mapping_of(fe);
+                    s.maps
+                        .update_with(ino, |map| map.replace_taking(off, m))
+                        .map(|v| v.iter().map(|(o, m)| (*o, fe_of(m))).collect())
+                }
+                _ => None,
+            };
+            let mapped = old.is_some();
+            // The pieces cover [off, off + len) from `off` on, so the first one's item
+            // replaces the one at `off`: the tree alone needs the drop.
+            let (dropped, mut kept) = s.drop_range_tree(ino, off, off + len, true, old)?;
+            let mut nbytes = i.nbytes.get().saturating_sub(dropped);
+            let mut pos = off;
+            for ((p, sums), fe) in space.iter().zip(sums).zip(fes) {
+                s.store.insert(tree::CSUM, csum_key(p.addr), sums)?;
+                if mapped {
+                    s.store
+                        .insert(tree::FS, extent_key(ino, pos), fe.as_bytes().to_vec())?;
+                } else {
+                    s.put_extent(ino, pos, &fe)?;
+                }
+                if p.into.is_none() {
+                    s.store.data_ref(p.addr, p.len, 1);
+                }
+                if let Some((b, l)) = kept.take() {
+                    // The item it was mapped by is replaced now.
+                    s.store.data_ref(b, l, -1);
+                }
+                nbytes += p.len;
+                pos += p.len;
             }
-            _ => None,
-        };
-        let mapped = old.is_some();
-        // The pieces cover [off, off + len) from `off` on, so the first one's item
-        // replaces the one at `off`: the tree alone needs the drop.
-        let (dropped, mut kept) = self.drop_range_tree(ino, off, off + len, true, old)?;
-        let mut nbytes = i.nbytes.get().saturating_sub(dropped);
-        let mut pos = off;
-        for ((p, sums), fe) in space.iter().zip(sums).zip(fes) {
-            self.store.insert(tree::CSUM, csum_key(p.addr), sums)?;
-            if mapped {
-                self.store
-                    .insert(tree::FS, extent_key(ino, pos), fe.as_bytes().to_vec())?;
-            } else {
-                self.put_extent(ino, pos, &fe)?;
-            }
-            if p.into.is_none() {
-                self.store.data_ref(p.addr, p.len, 1);
-            }
-            if let Some((b, l)) = kept.take() {
-                // The item it was mapped by is replaced now.
-                self.store.data_ref(b, l, -1);
-            }
-            nbytes += p.len;
-            pos += p.len;
-        }
-        i.nbytes = nbytes.into();
-        Ok(())
+            i.nbytes = nbytes.into();
+            Ok(())
+        })
     }
 
     /// Writes whole blocks `buf` at block-aligned `off`, copy-on-write, all under the
