@@ -808,7 +808,7 @@ impl Store {
         // them all at once.
         let mut runs: Vec<(u64, crate::dev::AlignedBuf)> = Vec::new();
         for (addr, n) in &batch.nodes {
-            let node = &encode_node(&n.hdr, &n.body, &batch.fsid, batch.node_size);
+            let node = &encode_node(&n.hdr, n.body(), &batch.fsid, batch.node_size);
             match runs.last_mut() {
                 Some((start, buf))
                     if *start + buf.len() as u64 == *addr && buf.len() < (1 << 20) =>
@@ -927,7 +927,7 @@ impl Store {
 
     /// Queues `delta` on every data extent the file extents of leaf `n` point at.
     fn leaf_data_refs(&mut self, n: &Node, delta: i64) {
-        let NodeBody::Leaf(items) = &n.body else {
+        let NodeBody::Leaf(items) = n.body() else {
             return;
         };
         for (k, v) in items {
@@ -1146,7 +1146,7 @@ impl Store {
         progress: &mut Key,
         budget: &mut usize,
     ) -> Result<bool> {
-        match &n.body {
+        match n.body() {
             NodeBody::Leaf(_) => self.leaf_data_refs(&n, -1),
             NodeBody::Internal(ptrs) => {
                 for (i, (k, child, _)) in ptrs.iter().enumerate() {
@@ -1209,7 +1209,7 @@ impl NodeStore for Store {
         let (hdr, body) = decode_node(&buf, addr, &self.sb.fsid).inspect_err(|e| {
             tracing::error!("{e}");
         })?;
-        let n = Arc::new(Node { hdr, body });
+        let n = Arc::new(Node::new(hdr, body));
         if self.cache.len() > self.cache_cap {
             self.evict_clean();
         }
@@ -1233,7 +1233,7 @@ impl NodeStore for Store {
         self.refs.add(addr, ns, EXTENT_FLAG_TREE, -1);
         if shared {
             // The copy references everything the shared node does.
-            match &n.body {
+            match n.body() {
                 NodeBody::Internal(ptrs) => {
                     for (_, child, _) in ptrs {
                         self.refs.add(*child, ns, EXTENT_FLAG_TREE, 1);
@@ -1276,7 +1276,7 @@ impl NodeStore for Store {
             owner,
             level,
         };
-        self.cache.insert(addr, Arc::new(Node { hdr, body }));
+        self.cache.insert(addr, Arc::new(Node::new(hdr, body)));
         self.dirty.insert(addr);
         Ok(addr)
     }

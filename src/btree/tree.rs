@@ -85,7 +85,7 @@ pub(crate) fn load_child<S: NodeStore>(s: &mut S, parent: &Node, i: usize) -> Re
 pub(crate) fn search<S: NodeStore>(s: &mut S, root: &Root, key: &Key) -> Result<Option<Vec<u8>>> {
     let mut n = load_root(s, root)?;
     loop {
-        match &n.body {
+        match n.body() {
             NodeBody::Leaf(items) => {
                 return Ok(items
                     .binary_search_by(|(k, _)| k.cmp(key))
@@ -122,7 +122,7 @@ fn range_rec<S: NodeStore>(
     limit: usize,
     out: &mut Vec<(Key, Vec<u8>)>,
 ) -> Result<()> {
-    match &n.body {
+    match n.body() {
         NodeBody::Leaf(items) => {
             let i0 = items.partition_point(|(k, _)| k < start);
             for (k, v) in &items[i0..] {
@@ -157,7 +157,7 @@ pub(crate) fn seek_le<S: NodeStore>(
 }
 
 fn seek_le_rec<S: NodeStore>(s: &mut S, n: &Node, key: &Key) -> Result<Option<(Key, Vec<u8>)>> {
-    match &n.body {
+    match n.body() {
         NodeBody::Leaf(items) => {
             let i = items.partition_point(|(k, _)| k <= key);
             Ok(if i == 0 {
@@ -223,13 +223,7 @@ fn insert_rec<S: NodeStore>(
     drop(node);
     let addr = s.cow_node(naddr)?;
     match child {
-        None => {
-            let items = s.node_mut(addr).items_mut();
-            match items.binary_search_by(|(k, _)| k.cmp(&key)) {
-                Ok(i) => items[i].1 = val,
-                Err(i) => items.insert(i, (key, val)),
-            }
-        }
+        None => s.node_mut(addr).put_item(key, val),
         Some((i, child)) => {
             let (caddr, split) = insert_rec(s, child, key, val)?;
             let cgen = s.read_node(caddr)?.hdr.generation;
@@ -268,7 +262,7 @@ fn balanced_split(sizes: &[usize]) -> usize {
 }
 
 fn item_sizes(n: &Node) -> Vec<usize> {
-    match &n.body {
+    match n.body() {
         NodeBody::Leaf(v) => v
             .iter()
             .map(|(_, d)| LEAF_ITEM_OVERHEAD + d.len())
@@ -281,7 +275,7 @@ fn split_node<S: NodeStore>(s: &mut S, addr: u64) -> Result<(Key, u64, u64)> {
     let n = s.node_mut(addr);
     let at = balanced_split(&item_sizes(n));
     let (owner, level) = (n.hdr.owner, n.hdr.level);
-    let right = match &mut n.body {
+    let right = match n.body_mut() {
         NodeBody::Leaf(v) => NodeBody::Leaf(v.split_off(at)),
         NodeBody::Internal(v) => NodeBody::Internal(v.split_off(at)),
     };
@@ -321,10 +315,7 @@ fn delete_rec<S: NodeStore>(s: &mut S, node: Arc<Node>, key: &Key) -> Result<u64
     if node.hdr.level == 0 {
         drop(node);
         let addr = s.cow_node(naddr)?;
-        let items = s.node_mut(addr).items_mut();
-        if let Ok(i) = items.binary_search_by(|(k, _)| k.cmp(key)) {
-            items.remove(i);
-        }
+        s.node_mut(addr).remove_item(key);
         return Ok(addr);
     }
     let i = node.child_index(key);
@@ -360,9 +351,9 @@ fn rebalance<S: NodeStore>(s: &mut S, addr: u64, li: usize) -> Result<()> {
     let la = s.cow_node(lorig)?;
     let ra = s.cow_node(rorig)?;
     let node_size = s.node_size();
-    let rbody = std::mem::replace(&mut s.node_mut(ra).body, NodeBody::Leaf(Vec::new()));
+    let rbody = std::mem::replace(s.node_mut(ra).body_mut(), NodeBody::Leaf(Vec::new()));
     let l = s.node_mut(la);
-    match (&mut l.body, rbody) {
+    match (l.body_mut(), rbody) {
         (NodeBody::Leaf(a), NodeBody::Leaf(b)) => a.extend(b),
         (NodeBody::Internal(a), NodeBody::Internal(b)) => a.extend(b),
         _ => {
@@ -384,12 +375,12 @@ fn rebalance<S: NodeStore>(s: &mut S, addr: u64, li: usize) -> Result<()> {
     }
     let l = s.node_mut(la);
     let at = balanced_split(&item_sizes(l));
-    let moved = match &mut l.body {
+    let moved = match l.body_mut() {
         NodeBody::Leaf(v) => NodeBody::Leaf(v.split_off(at)),
         NodeBody::Internal(v) => NodeBody::Internal(v.split_off(at)),
     };
     let r = s.node_mut(ra);
-    r.body = moved;
+    *r.body_mut() = moved;
     let (rkey, rgen) = (
         r.first_key().expect("non-empty after rebalance"),
         r.hdr.generation,
@@ -462,7 +453,7 @@ mod tests {
                 owner,
                 level,
             };
-            self.nodes.insert(self.next, Arc::new(Node { hdr, body }));
+            self.nodes.insert(self.next, Arc::new(Node::new(hdr, body)));
             Ok(self.next)
         }
         fn free_node(&mut self, addr: u64) {
@@ -489,7 +480,7 @@ mod tests {
             if !is_root {
                 assert!(n.len() > 0, "empty non-root node");
             }
-            match &n.body {
+            match n.body() {
                 NodeBody::Leaf(v) => {
                     for (k, _) in v {
                         if let Some(lo) = lo {
