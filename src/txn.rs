@@ -26,10 +26,10 @@
 //! generation can be shared, so a node newer than that is copied without looking its
 //! refcount up. Dropping a deleted snapshot is the mirror image (`drop_step`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use zerocopy::{FromBytes, IntoBytes};
 
 use crate::alloc::Allocator;
@@ -65,7 +65,9 @@ pub(crate) struct Store {
     cache: FxHashMap<u64, Arc<Node>>,
     /// Nodes `cache` holds before clean leaves are dropped.
     cache_cap: usize,
-    dirty: BTreeSet<u64>,
+    /// Nodes written in the running generation (a hash set: `cow_node` asks it on
+    /// every level of every change; the commit sorts them).
+    dirty: FxHashSet<u64>,
     pub(crate) alloc: Allocator,
     refs: crate::refs::DelayedRefs,
     roots: BTreeMap<u64, Root>,
@@ -268,7 +270,7 @@ impl Store {
             generation,
             cache_cap,
             cache: FxHashMap::default(),
-            dirty: BTreeSet::new(),
+            dirty: FxHashSet::default(),
             alloc,
             refs: Default::default(),
             roots: BTreeMap::new(),
@@ -772,7 +774,10 @@ impl Store {
         self.must_commit = false;
         let root = self.root(tree::ROOT);
         self.written_roots.insert(tree::ROOT, root);
-        let nodes: Vec<(u64, Arc<Node>)> = std::mem::take(&mut self.dirty)
+        let mut addrs: Vec<u64> = std::mem::take(&mut self.dirty).into_iter().collect();
+        // In address order, so that `write_commit` joins neighbours into one write.
+        addrs.sort_unstable();
+        let nodes: Vec<(u64, Arc<Node>)> = addrs
             .into_iter()
             .map(|addr| (addr, self.cache[&addr].clone()))
             .collect();
