@@ -9,10 +9,11 @@ use crate::format::{Key, NodeBody, NodeHeader, NODE_HEADER_SIZE};
 pub(crate) struct Node {
     pub(crate) hdr: NodeHeader,
     body: NodeBody,
-    /// A leaf's encoded size once counted, else [`UNCOUNTED`]. An insert checks the
-    /// size of every leaf it changes, and counting costs a pass over all its items:
-    /// [`Node::put_item`] and [`Node::remove_item`] keep the count, and any other
-    /// change (through [`Node::body_mut`]) drops it.
+    /// A leaf's encoded size once counted, else [`UNCOUNTED`]. Inserts and deletes
+    /// check the size of every leaf they change, and counting costs a pass over all
+    /// its items: [`Node::put_item`] and [`Node::remove_item`] keep the count, and any
+    /// other change to a leaf (through [`Node::body_mut`]) drops it. Internal nodes
+    /// never use it.
     leaf_size: AtomicUsize,
 }
 
@@ -53,7 +54,7 @@ impl Node {
         &mut self.body
     }
 
-    /// Bytes this node takes when encoded.
+    /// Bytes this node takes when encoded (a leaf's kept count, else counted and kept).
     pub(crate) fn encoded_size(&self) -> usize {
         match &self.body {
             NodeBody::Leaf(v) => {
