@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::format::{Key, NodeBody, NodeHeader, NODE_HEADER_SIZE};
+use crate::format::{leaf_item_size, Key, NodeBody, NodeHeader, NODE_HEADER_SIZE, PTR_SIZE};
 
 /// A node: header plus items (leaf) or child pointers (internal).
 #[derive(Debug)]
@@ -19,9 +19,6 @@ pub(crate) struct Node {
 
 /// [`Node::leaf_size`] when not counted.
 const UNCOUNTED: usize = usize::MAX;
-
-pub(crate) const LEAF_ITEM_OVERHEAD: usize = Key::SIZE + 4;
-pub(crate) const PTR_SIZE: usize = Key::SIZE + 16;
 
 impl Clone for Node {
     fn clone(&self) -> Node {
@@ -64,7 +61,7 @@ impl Node {
                 }
                 let n = NODE_HEADER_SIZE
                     + v.iter()
-                        .map(|(_, d)| LEAF_ITEM_OVERHEAD + d.len())
+                        .map(|(_, d)| leaf_item_size(d.len()))
                         .sum::<usize>();
                 // Unit tests count every time and check the kept count against it.
                 assert!(
@@ -90,7 +87,7 @@ impl Node {
                 before - old.len() + items[i].1.len()
             }
             Err(i) => {
-                let after = before + LEAF_ITEM_OVERHEAD + val.len();
+                let after = before + leaf_item_size(val.len());
                 items.insert(i, (key, val));
                 after
             }
@@ -108,7 +105,7 @@ impl Node {
             return false;
         };
         let (_, val) = items.remove(i);
-        *self.leaf_size.get_mut() = before - LEAF_ITEM_OVERHEAD - val.len();
+        *self.leaf_size.get_mut() = before - leaf_item_size(val.len());
         true
     }
 
@@ -155,7 +152,8 @@ impl Node {
 mod tests {
     use super::*;
 
-    /// The encoded size of `n`, counted item by item.
+    /// The encoded size of `n`, counted item by item as `encode_node` lays an item
+    /// out (key, 4-byte length, value), apart from `leaf_item_size`.
     fn recount(n: &Node) -> usize {
         let NodeBody::Leaf(items) = n.body() else {
             unreachable!("a leaf");
@@ -163,7 +161,7 @@ mod tests {
         NODE_HEADER_SIZE
             + items
                 .iter()
-                .map(|(_, d)| LEAF_ITEM_OVERHEAD + d.len())
+                .map(|(_, d)| Key::SIZE + 4 + d.len())
                 .sum::<usize>()
     }
 

@@ -11,9 +11,9 @@
 
 use std::sync::Arc;
 
-use super::node::{Node, LEAF_ITEM_OVERHEAD, PTR_SIZE};
+use super::node::Node;
 use crate::error::{Error, Result};
-use crate::format::{Key, NodeBody, NODE_HEADER_SIZE};
+use crate::format::{leaf_item_size, Key, NodeBody, NODE_HEADER_SIZE, PTR_SIZE};
 
 /// The root of one tree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -263,10 +263,7 @@ fn balanced_split(sizes: &[usize]) -> usize {
 
 fn item_sizes(n: &Node) -> Vec<usize> {
     match n.body() {
-        NodeBody::Leaf(v) => v
-            .iter()
-            .map(|(_, d)| LEAF_ITEM_OVERHEAD + d.len())
-            .collect(),
+        NodeBody::Leaf(v) => v.iter().map(|(_, d)| leaf_item_size(d.len())).collect(),
         NodeBody::Internal(v) => vec![PTR_SIZE; v.len()],
     }
 }

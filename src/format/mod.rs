@@ -26,6 +26,7 @@ pub use item::{
 pub use item::{SnapshotItem, SnapshotMeta};
 pub use key::Key;
 pub use node::{decode_node, encode_node, NodeBody, NodeHeader, NODE_HEADER_SIZE};
+pub(crate) use node::{leaf_item_size, PTR_SIZE};
 pub use superblock::{Superblock, SUPER_SIZE};
 
 /// Size of a data block and of a sector.

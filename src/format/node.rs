@@ -61,6 +61,11 @@ pub(crate) const LEAF_ITEM_OVERHEAD: usize = Key::SIZE + 4;
 /// Bytes one internal pointer takes in the node.
 pub(crate) const PTR_SIZE: usize = Key::SIZE + 16;
 
+/// Bytes a leaf item whose value is `len` bytes long takes in the node.
+pub(crate) const fn leaf_item_size(len: usize) -> usize {
+    LEAF_ITEM_OVERHEAD + len
+}
+
 /// Encodes a node into exactly `node_size` bytes with its checksum.
 pub fn encode_node(h: &NodeHeader, body: &NodeBody, fsid: &[u8; 16], node_size: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(node_size);
