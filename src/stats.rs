@@ -77,6 +77,11 @@ pub struct Stats {
     /// Latency of the device flushes that make log batches durable: the device's
     /// share of an fsync.
     pub log_flush_latency: Histogram,
+    /// Time to write a log batch to the device, before the flush that makes it durable.
+    pub log_write_latency: Histogram,
+    /// Time an fsync took to write back its file's cached data and find what the log
+    /// must make durable, before it could wait for the log.
+    pub fsync_prepare_latency: Histogram,
     /// Time a ready fsync waited for a group commit to take it (the flush of the
     /// group before it, mostly): the group commit's share of an fsync.
     pub fsync_queue_latency: Histogram,
@@ -198,6 +203,8 @@ impl Stats {
             fsync_latency: self.fsync_latency.summary(),
             commit_latency: self.commit_latency.summary(),
             log_flush_latency: self.log_flush_latency.summary(),
+            log_write_latency: self.log_write_latency.summary(),
+            fsync_prepare_latency: self.fsync_prepare_latency.summary(),
             fsync_queue_latency: self.fsync_queue_latency.summary(),
             fsync_gather_latency: self.fsync_gather_latency.summary(),
         }
@@ -285,6 +292,10 @@ pub struct StatsSnapshot {
     pub commit_latency: LatencySummary,
     /// See [`Stats::log_flush_latency`].
     pub log_flush_latency: LatencySummary,
+    /// See [`Stats::log_write_latency`].
+    pub log_write_latency: LatencySummary,
+    /// See [`Stats::fsync_prepare_latency`].
+    pub fsync_prepare_latency: LatencySummary,
     /// See [`Stats::fsync_queue_latency`].
     pub fsync_queue_latency: LatencySummary,
     /// See [`Stats::fsync_gather_latency`].
@@ -431,7 +442,7 @@ impl StatsSnapshot {
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
                 "\"requests\":{},\"gather\":{{\"chosen\":{},\"declined\":{}}},",
-                "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
+                "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"log_write\":{},\"fsync_prepare\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
             self.readonly,
             self.fsyncs,
@@ -472,6 +483,8 @@ impl StatsSnapshot {
             self.fsync_latency.json(),
             self.commit_latency.json(),
             self.log_flush_latency.json(),
+            self.log_write_latency.json(),
+            self.fsync_prepare_latency.json(),
             self.fsync_queue_latency.json(),
             self.fsync_gather_latency.json()
         )
@@ -599,6 +612,8 @@ impl StatsSnapshot {
             ("fsync", &self.fsync_latency),
             ("commit", &self.commit_latency),
             ("log flush", &self.log_flush_latency),
+            ("log write", &self.log_write_latency),
+            ("fsync prepare", &self.fsync_prepare_latency),
             ("fsync queue", &self.fsync_queue_latency),
             ("fsync gather", &self.fsync_gather_latency),
         ] {

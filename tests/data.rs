@@ -397,7 +397,17 @@ fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
         flushes >= 1 && flushes <= queued,
         "a group's flush serves at least one fsync: {flushes} flushes for {queued} fsyncs"
     );
-    for k in ["log_flush", "fsync_queue"] {
+    assert_eq!(
+        dl("log_write"),
+        d("log_commits"),
+        "every log batch written has its write timed"
+    );
+    assert_eq!(
+        dl("fsync_prepare"),
+        fsyncs,
+        "every fsync has its preparation timed"
+    );
+    for k in ["log_flush", "log_write", "fsync_prepare", "fsync_queue"] {
         let p50 = after["latency_us"][k]["p50"].as_f64().unwrap();
         let max = after["latency_us"][k]["max"].as_f64().unwrap();
         assert!(p50 <= max && max > 0.0, "{k}: p50 {p50} max {max}");

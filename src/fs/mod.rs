@@ -656,6 +656,14 @@ impl Fs {
     /// (times, mode, owner, xattrs, names) do not count. Lets a server queue fsyncs and
     /// answer them from one writer (group commit).
     pub fn fsync_target(&self, ino: u64, datasync: bool) -> Result<Option<u64>> {
+        let t0 = std::time::Instant::now();
+        let r = self.fsync_prepare(ino, datasync);
+        self.stats.fsync_prepare_latency.record(t0.elapsed());
+        r
+    }
+
+    /// [`Fs::fsync_target`] without its timing.
+    fn fsync_prepare(&self, ino: u64, datasync: bool) -> Result<Option<u64>> {
         Stats::add(&self.stats.fsyncs, 1);
         if self.opts.readonly {
             Stats::add(&self.stats.fsyncs_noop, 1);
@@ -822,7 +830,9 @@ impl Fs {
 
     /// Writes a log batch (no flush) and notes it written; the caller holds `log_lock`.
     fn write_batch(&self, log_start: u64, batch: &crate::log::Batch) -> Result<()> {
+        let t0 = std::time::Instant::now();
         Store::write_log(self.dev.as_ref(), &self.stats, log_start, batch)?;
+        self.stats.log_write_latency.record(t0.elapsed());
         self.inner.lock().store.log.batch_written(batch.end_lsn);
         Ok(())
     }

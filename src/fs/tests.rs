@@ -603,11 +603,30 @@ fn fsync_goes_to_the_log_and_counts_seed_one_cases() {
         s0.log_flush_latency.count + 1,
         "its flush is timed"
     );
+    assert_eq!(
+        s1.log_write_latency.count,
+        s0.log_write_latency.count + 1,
+        "so is its batch's write"
+    );
+    assert_eq!(
+        s1.fsync_prepare_latency.count,
+        s0.fsync_prepare_latency.count + 1,
+        "and its preparation"
+    );
     fs.fsync(f.ino, false).unwrap();
     let s2 = fs.stats();
     assert_eq!(
         s2.log_flush_latency.count, s1.log_flush_latency.count,
         "an fsync answered at once flushes nothing"
+    );
+    assert_eq!(
+        s2.log_write_latency.count, s1.log_write_latency.count,
+        "and writes no batch"
+    );
+    assert_eq!(
+        s2.fsync_prepare_latency.count,
+        s1.fsync_prepare_latency.count + 1,
+        "but is prepared (it finds nothing to wait for)"
     );
     assert_eq!(
         s2.fsyncs_noop,
