@@ -64,6 +64,10 @@ pub struct Stats {
     pub shared_cows: AtomicU64,
     /// FUSE requests that came through io_uring queues instead of `/dev/fuse`.
     pub uring_requests: AtomicU64,
+    /// FUSE requests served by standby request threads (see `fuse::standby`).
+    pub standby_served: AtomicU64,
+    /// Times a standby request thread parked, no fsync having come for a while.
+    pub standby_parks: AtomicU64,
     /// FUSE requests served, per kind.
     pub requests: RequestCounts,
     /// Measurements by the group commit that found gathering fsyncs pays.
@@ -197,6 +201,8 @@ impl Stats {
             memory_squeezes: g(&self.memory_squeezes),
             shared_cows: g(&self.shared_cows),
             uring_requests: g(&self.uring_requests),
+            standby_served: g(&self.standby_served),
+            standby_parks: g(&self.standby_parks),
             requests: self.requests.snapshot(),
             gather_chosen: g(&self.gather_chosen),
             gather_declined: g(&self.gather_declined),
@@ -280,6 +286,10 @@ pub struct StatsSnapshot {
     pub shared_cows: u64,
     /// See [`Stats::uring_requests`].
     pub uring_requests: u64,
+    /// See [`Stats::standby_served`].
+    pub standby_served: u64,
+    /// See [`Stats::standby_parks`].
+    pub standby_parks: u64,
     /// See [`Stats::requests`].
     pub requests: RequestTally,
     /// See [`Stats::gather_chosen`].
@@ -440,7 +450,7 @@ impl StatsSnapshot {
                 "{{\"readonly\":{},\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"log_flushes_shared\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"commits_deferred\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
-                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},",
+                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},\"standby\":{{\"served\":{},\"parks\":{}}},",
                 "\"requests\":{},\"gather\":{{\"chosen\":{},\"declined\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"log_write\":{},\"fsync_prepare\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
@@ -477,6 +487,8 @@ impl StatsSnapshot {
             self.memory_squeezes,
             self.flushes,
             self.uring_requests,
+            self.standby_served,
+            self.standby_parks,
             self.requests.json(),
             self.gather_chosen,
             self.gather_declined,
@@ -592,6 +604,16 @@ impl StatsSnapshot {
             &mut s,
             "requests via io_uring",
             self.uring_requests.to_string(),
+        );
+        row(
+            &mut s,
+            "requests by standby threads",
+            self.standby_served.to_string(),
+        );
+        row(
+            &mut s,
+            "standby thread parks",
+            self.standby_parks.to_string(),
         );
         for (name, n) in self.requests.served() {
             row(&mut s, &format!("requests: {name}"), n.to_string());

@@ -422,6 +422,82 @@ fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
     m.unmount();
 }
 
+/// The standby request threads (two by default) serve beside the others while fsyncs
+/// arrive; once none has come for a while, each parks after every request it serves,
+/// so creates without fsync are left to the core threads. Every file is whole after a
+/// remount. Through `/dev/fuse` only: over io_uring (the suite's second pass) the
+/// rings serve every request, and this pass checks nothing more.
+#[test]
+fn standby_threads_serve_while_fsyncs_arrive_and_park_otherwise() {
+    const THREADS: u64 = 4;
+    const SYNCED: u64 = 100;
+    const PLAIN: u64 = 1000;
+    if extra_mount_options().iter().any(|o| o == "uring=on") {
+        return;
+    }
+    let mut m = Mount::new();
+    let standby = |m: &Mount| {
+        let s = daemon_stats(m);
+        let n = |k: &str| s["standby"][k].as_u64().unwrap();
+        let requests: u64 = s["requests"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        (n("served"), n("parks"), requests)
+    };
+    let burst = |fsync: bool, per_thread: u64, tag: &str| {
+        let start = Barrier::new(THREADS as usize);
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let (dir, start) = (m.root().to_path_buf(), &start);
+                s.spawn(move || {
+                    start.wait();
+                    for i in 0..per_thread {
+                        let mut f = File::create(dir.join(format!("{tag}{t}-{i}"))).unwrap();
+                        f.write_all(pattern(t * 10_000 + i, 100)).unwrap();
+                        if fsync {
+                            f.sync_all().unwrap();
+                        }
+                    }
+                });
+            }
+        });
+    };
+    let (served0, _, _) = standby(&m);
+    burst(true, SYNCED, "s");
+    let (served1, _, _) = standby(&m);
+    assert!(
+        served1 > served0,
+        "no standby thread served while {THREADS} threads created and fsynced files"
+    );
+    // Past the time an fsync keeps the standby threads serving.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let (served2, parks2, requests2) = standby(&m);
+    burst(false, PLAIN, "p");
+    let (served3, parks3, requests3) = standby(&m);
+    let (served, parks, requests) = (served3 - served2, parks3 - parks2, requests3 - requests2);
+    assert_eq!(
+        served, parks,
+        "with no fsync coming, a standby thread parks after each request it serves"
+    );
+    assert!(
+        served * 10 < requests,
+        "standby threads served {served} of {requests} requests without fsync"
+    );
+    m.remount();
+    for t in 0..THREADS {
+        for (tag, n) in [("s", SYNCED), ("p", PLAIN)] {
+            for i in 0..n {
+                let got = fs::read(m.path(format!("{tag}{t}-{i}"))).unwrap();
+                assert_bytes_eq(&got, pattern(t * 10_000 + i, 100), 0, "created file");
+            }
+        }
+    }
+    m.unmount();
+}
+
 /// Threads that each overwrite a block of their own file and fdatasync it, `rounds`
 /// times; returns how many group commits waited to gather fsyncs meanwhile.
 fn fsync_loop(m: &Mount, threads: u64, rounds: u64, tag: &str) -> u64 {

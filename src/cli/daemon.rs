@@ -215,9 +215,12 @@ fn mount_serve(
         cfg.acl = fuser::SessionACL::All;
     }
     cfg.mount_options.extend(mo.vfs.mount_options(root));
-    cfg.n_threads = Some(mo.threads);
+    cfg.n_threads = Some(mo.threads + mo.standby);
     cfg.clone_fd = true;
     let mut ffs = FuseFs::new(fs.clone());
+    if mo.standby > 0 {
+        ffs.standby_threads(mo.threads);
+    }
     ffs.direct_reads(mo.direct_read());
     ffs.timeouts(mo.timeouts);
     ffs.gather_fsyncs(mo.gather);

@@ -741,6 +741,15 @@ impl Fs {
         crate::stats::Stats::add(&self.stats.uring_requests, 1);
     }
 
+    /// Counts a FUSE request served by a standby request thread, and whether the
+    /// thread parked after it.
+    pub fn count_standby_request(&self, parked: bool) {
+        crate::stats::Stats::add(&self.stats.standby_served, 1);
+        if parked {
+            crate::stats::Stats::add(&self.stats.standby_parks, 1);
+        }
+    }
+
     /// Counts a FUSE request with opcode `op`, by kind.
     pub fn count_fuse_request(&self, op: u32) {
         self.stats.requests.count(op);

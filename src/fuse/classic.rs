@@ -18,6 +18,29 @@ use fuser::{
 
 use super::abi;
 use super::ops::{Caller, FuseFs, SetAttrIn};
+use super::standby::Served;
+
+/// A request being served; dropped after its handler, it lets a standby thread park
+/// (see `fuse::standby`).
+struct Serving<'a>(&'a FuseFs);
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        match self.0.standby.after_request() {
+            Served::ByCore => {}
+            Served::ByStandby => self.0.fs.count_standby_request(false),
+            Served::ThenParked => self.0.fs.count_standby_request(true),
+        }
+    }
+}
+
+impl FuseFs {
+    /// Counts a request with opcode `op` and returns its [`Serving`].
+    fn serving(&self, op: u32) -> Serving<'_> {
+        self.fs.count_fuse_request(op);
+        Serving(self)
+    }
+}
 
 /// The time the kernel sent, from fuser's decoding of it. fuser turns a time before
 /// the epoch, which the kernel sends as whole seconds (negative) plus nanoseconds
@@ -106,17 +129,18 @@ impl Filesystem for FuseFs {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        self.fs.count_fuse_request(abi::LOOKUP);
+        let _served = self.serving(abi::LOOKUP);
         FuseFs::lookup(self, parent.0, name.as_bytes(), reply)
     }
 
+    /// Not a place to park: fuser calls it once for each inode of a BATCH_FORGET.
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
         self.fs.count_fuse_request(abi::FORGET);
         FuseFs::forget(self, ino.0, nlookup)
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, fh: Option<FileHandle>, reply: ReplyAttr) {
-        self.fs.count_fuse_request(abi::GETATTR);
+        let _served = self.serving(abi::GETATTR);
         FuseFs::getattr(self, ino.0, fh.map(|h| h.0), reply)
     }
 
@@ -138,7 +162,7 @@ impl Filesystem for FuseFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        self.fs.count_fuse_request(abi::SETATTR);
+        let _served = self.serving(abi::SETATTR);
         let s = SetAttrIn {
             mode,
             uid,
@@ -152,7 +176,7 @@ impl Filesystem for FuseFs {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        self.fs.count_fuse_request(abi::READLINK);
+        let _served = self.serving(abi::READLINK);
         FuseFs::readlink(self, ino.0, reply)
     }
 
@@ -166,7 +190,7 @@ impl Filesystem for FuseFs {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        self.fs.count_fuse_request(abi::MKNOD);
+        let _served = self.serving(abi::MKNOD);
         let c = caller(req);
         FuseFs::mknod(
             self,
@@ -189,7 +213,7 @@ impl Filesystem for FuseFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        self.fs.count_fuse_request(abi::MKDIR);
+        let _served = self.serving(abi::MKDIR);
         FuseFs::mkdir(
             self,
             &caller(req),
@@ -202,12 +226,12 @@ impl Filesystem for FuseFs {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.count_fuse_request(abi::UNLINK);
+        let _served = self.serving(abi::UNLINK);
         FuseFs::unlink(self, parent.0, name.as_bytes(), reply)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.count_fuse_request(abi::RMDIR);
+        let _served = self.serving(abi::RMDIR);
         FuseFs::rmdir(self, parent.0, name.as_bytes(), reply)
     }
 
@@ -219,7 +243,7 @@ impl Filesystem for FuseFs {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        self.fs.count_fuse_request(abi::SYMLINK);
+        let _served = self.serving(abi::SYMLINK);
         let (name, target) = (link_name.as_bytes(), target.as_os_str().as_bytes());
         FuseFs::symlink(self, &caller(req), parent.0, name, target, reply)
     }
@@ -261,12 +285,12 @@ impl Filesystem for FuseFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        self.fs.count_fuse_request(abi::LINK);
+        let _served = self.serving(abi::LINK);
         FuseFs::link(self, ino.0, newparent.0, newname.as_bytes(), reply)
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        self.fs.count_fuse_request(abi::OPEN);
+        let _served = self.serving(abi::OPEN);
         FuseFs::open(self, ino.0, flags.0, reply)
     }
 
@@ -281,7 +305,7 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        self.fs.count_fuse_request(abi::READ);
+        let _served = self.serving(abi::READ);
         FuseFs::read(self, ino.0, fh.0, offset, size, reply)
     }
 
@@ -297,7 +321,7 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.fs.count_fuse_request(abi::WRITE);
+        let _served = self.serving(abi::WRITE);
         FuseFs::write(self, &caller(req), ino.0, offset, data, write_flags, reply)
     }
 
@@ -309,7 +333,7 @@ impl Filesystem for FuseFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        self.fs.count_fuse_request(abi::FLUSH);
+        let _served = self.serving(abi::FLUSH);
         FuseFs::flush(self, reply)
     }
 
@@ -323,7 +347,7 @@ impl Filesystem for FuseFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.fs.count_fuse_request(abi::RELEASE);
+        let _served = self.serving(abi::RELEASE);
         FuseFs::release(self, ino.0, fh.0, flags.0, reply)
     }
 
@@ -335,12 +359,12 @@ impl Filesystem for FuseFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.fs.count_fuse_request(abi::FSYNC);
+        let _served = self.serving(abi::FSYNC);
         FuseFs::fsync(self, req.pid(), ino.0, datasync, reply)
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        self.fs.count_fuse_request(abi::OPENDIR);
+        let _served = self.serving(abi::OPENDIR);
         FuseFs::opendir(self, ino.0, reply)
     }
 
@@ -352,7 +376,7 @@ impl Filesystem for FuseFs {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        self.fs.count_fuse_request(abi::RELEASEDIR);
+        let _served = self.serving(abi::RELEASEDIR);
         FuseFs::releasedir(self, ino.0, fh.0, reply)
     }
 
@@ -364,7 +388,7 @@ impl Filesystem for FuseFs {
         offset: u64,
         reply: ReplyDirectory,
     ) {
-        self.fs.count_fuse_request(abi::READDIR);
+        let _served = self.serving(abi::READDIR);
         FuseFs::readdir(self, ino.0, fh.0, offset, reply)
     }
 
@@ -376,7 +400,7 @@ impl Filesystem for FuseFs {
         offset: u64,
         reply: ReplyDirectoryPlus,
     ) {
-        self.fs.count_fuse_request(abi::READDIRPLUS);
+        let _served = self.serving(abi::READDIRPLUS);
         FuseFs::readdirplus(self, ino.0, fh.0, offset, reply)
     }
 
@@ -388,12 +412,12 @@ impl Filesystem for FuseFs {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.fs.count_fuse_request(abi::FSYNCDIR);
+        let _served = self.serving(abi::FSYNCDIR);
         FuseFs::fsync(self, req.pid(), ino.0, datasync, reply)
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        self.fs.count_fuse_request(abi::STATFS);
+        let _served = self.serving(abi::STATFS);
         FuseFs::statfs(self, reply)
     }
 
@@ -407,27 +431,27 @@ impl Filesystem for FuseFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        self.fs.count_fuse_request(abi::SETXATTR);
+        let _served = self.serving(abi::SETXATTR);
         FuseFs::setxattr(self, ino.0, name.as_bytes(), value, flags, reply)
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        self.fs.count_fuse_request(abi::GETXATTR);
+        let _served = self.serving(abi::GETXATTR);
         FuseFs::getxattr(self, ino.0, name.as_bytes(), size, reply)
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        self.fs.count_fuse_request(abi::LISTXATTR);
+        let _served = self.serving(abi::LISTXATTR);
         FuseFs::listxattr(self, ino.0, size, reply)
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.count_fuse_request(abi::REMOVEXATTR);
+        let _served = self.serving(abi::REMOVEXATTR);
         FuseFs::removexattr(self, ino.0, name.as_bytes(), reply)
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        self.fs.count_fuse_request(abi::ACCESS);
+        let _served = self.serving(abi::ACCESS);
         FuseFs::access(self, &caller(req), ino.0, mask.bits(), reply)
     }
 
@@ -441,7 +465,7 @@ impl Filesystem for FuseFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        self.fs.count_fuse_request(abi::CREATE);
+        let _served = self.serving(abi::CREATE);
         FuseFs::create(
             self,
             &caller(req),
@@ -464,7 +488,7 @@ impl Filesystem for FuseFs {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        self.fs.count_fuse_request(abi::FALLOCATE);
+        let _served = self.serving(abi::FALLOCATE);
         FuseFs::fallocate(self, &caller(req), ino.0, offset, length, mode, reply)
     }
 
@@ -481,7 +505,7 @@ impl Filesystem for FuseFs {
         out_size: u32,
         reply: ReplyIoctl,
     ) {
-        self.fs.count_fuse_request(abi::IOCTL);
+        let _served = self.serving(abi::IOCTL);
         FuseFs::ioctl(self, &caller(req), ino.0, cmd, in_data, out_size, reply)
     }
 
@@ -498,7 +522,7 @@ impl Filesystem for FuseFs {
         _flags: PollFlags,
         reply: ReplyPoll,
     ) {
-        self.fs.count_fuse_request(abi::POLL);
+        let _served = self.serving(abi::POLL);
         reply.error(Errno::ENOSYS);
     }
 
@@ -511,7 +535,7 @@ impl Filesystem for FuseFs {
         whence: i32,
         reply: ReplyLseek,
     ) {
-        self.fs.count_fuse_request(abi::LSEEK);
+        let _served = self.serving(abi::LSEEK);
         match u64::try_from(offset) {
             Ok(off) => FuseFs::lseek(self, ino.0, off, whence, reply),
             Err(_) => reply.error(Errno::ENXIO),
@@ -531,7 +555,7 @@ impl Filesystem for FuseFs {
         flags: CopyFileRangeFlags,
         reply: ReplyWrite,
     ) {
-        self.fs.count_fuse_request(abi::COPY_FILE_RANGE);
+        let _served = self.serving(abi::COPY_FILE_RANGE);
         let c = caller(req);
         let (i, o, f) = (ino_in.0, ino_out.0, flags.bits());
         FuseFs::copy_file_range(self, &c, i, offset_in, o, offset_out, len, f, reply)

@@ -9,6 +9,7 @@ mod crash_tests;
 mod direct;
 mod group;
 mod ops;
+mod standby;
 pub mod uring;
 
 pub use abi::{BIRCHFS_IOC_RESIZE, BIRCHFS_IOC_SYNC, FITRIM, RESIZE_GROW, RESIZE_QUERY};

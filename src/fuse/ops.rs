@@ -26,6 +26,7 @@ use super::answer::{
 };
 use super::direct::{opens_to_write, DirectReads, DIRECT_FH};
 use super::group::{FsyncQueue, PendingFsync, Preparing};
+use super::standby::Standby;
 use crate::error::Error;
 use crate::fs::{
     is_acl_name, is_snapshot_ino, without_suid, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags,
@@ -193,6 +194,8 @@ pub struct FuseFs {
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
     /// How long the kernel may cache names and attributes.
     ttl: Timeouts,
+    /// Which request threads park while no fsync comes (none by default).
+    pub(crate) standby: Arc<Standby>,
 }
 
 /// Answers SEEK_DATA (`data`) or SEEK_HOLE from `offset` of `ino`, from birchfs's
@@ -231,6 +234,7 @@ impl FuseFs {
             writers: Default::default(),
             notifier: Default::default(),
             ttl: Timeouts::default(),
+            standby: Default::default(),
         }
     }
 
@@ -249,6 +253,12 @@ impl FuseFs {
     /// kernel's page cache (see `fuse::direct`); `None` (the default here) never.
     pub fn direct_reads(&mut self, min_size: Option<u64>) {
         self.direct = Arc::new(DirectReads::new(min_size));
+    }
+
+    /// Puts the `/dev/fuse` request threads beyond the first `core` on standby: they
+    /// serve only while fsyncs arrive (see `fuse::standby`).
+    pub fn standby_threads(&mut self, core: usize) {
+        self.standby = Arc::new(Standby::new(core));
     }
 
     /// Lets group commits wait briefly for the fsyncs of threads expected back
@@ -654,6 +664,7 @@ impl FuseFs {
 
     /// The final commit, when the kernel ends the session.
     pub(crate) fn destroy(&self) {
+        self.standby.close();
         if let Err(e) = self.fs.commit() {
             tracing::error!("commit at unmount failed: {e}");
         }
@@ -1209,6 +1220,7 @@ impl FuseFs {
     /// first goes to a worker.
     pub(crate) fn fsync(&self, pid: u32, nodeid: u64, datasync: bool, reply: impl AnswerEmpty) {
         let ino = to_ino(nodeid);
+        self.standby.fsync_arrived();
         let job = FsyncJob {
             ino,
             datasync,
