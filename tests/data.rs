@@ -344,26 +344,45 @@ fn many_small_files_2000() {
 // concurrent fsyncs: group commit and the stats that split an fsync's time
 // ---------------------------------------------------------------------------
 
+/// `threads` threads at once each create `files` files in `dir`, named `{tag}{t}-{i}`
+/// and holding `len` bytes of `pattern(t * 10_000 + i, len)`, fsyncing each when
+/// `fsync` is set.
+fn create_concurrently(dir: &Path, threads: u64, files: u64, len: usize, tag: &str, fsync: bool) {
+    let start = Barrier::new(threads as usize);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let start = &start;
+            s.spawn(move || {
+                start.wait();
+                for i in 0..files {
+                    let mut f = File::create(dir.join(format!("{tag}{t}-{i}"))).unwrap();
+                    f.write_all(pattern(t * 10_000 + i, len)).unwrap();
+                    if fsync {
+                        f.sync_all().unwrap();
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// Checks what [`create_concurrently`] made, through `m`.
+fn check_created(m: &Mount, threads: u64, files: u64, len: usize, tag: &str) {
+    for t in 0..threads {
+        for i in 0..files {
+            let got = fs::read(m.path(format!("{tag}{t}-{i}"))).unwrap();
+            assert_bytes_eq(&got, pattern(t * 10_000 + i, len), 0, "created file");
+        }
+    }
+}
+
 #[test]
 fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
     const THREADS: u64 = 8;
     const FILES: u64 = 30;
     let mut m = Mount::new();
     let before = daemon_stats(&m);
-    let start = Barrier::new(THREADS as usize);
-    std::thread::scope(|s| {
-        for t in 0..THREADS {
-            let (dir, start) = (m.root().to_path_buf(), &start);
-            s.spawn(move || {
-                start.wait();
-                for i in 0..FILES {
-                    let mut f = File::create(dir.join(format!("t{t}-{i}"))).unwrap();
-                    f.write_all(pattern(t * 1000 + i, 3000)).unwrap();
-                    f.sync_all().unwrap();
-                }
-            });
-        }
-    });
+    create_concurrently(m.root(), THREADS, FILES, 3000, "t", true);
     let after = daemon_stats(&m);
     let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
     let lat = |v: &serde_json::Value, k: &str| v["latency_us"][k]["count"].as_u64().unwrap();
@@ -413,12 +432,7 @@ fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
         assert!(p50 <= max && max > 0.0, "{k}: p50 {p50} max {max}");
     }
     m.remount();
-    for t in 0..THREADS {
-        for i in 0..FILES {
-            let got = fs::read(m.path(format!("t{t}-{i}"))).unwrap();
-            assert_bytes_eq(&got, pattern(t * 1000 + i, 3000), 0, "fsynced file");
-        }
-    }
+    check_created(&m, THREADS, FILES, 3000, "t");
     m.unmount();
 }
 
@@ -447,26 +461,8 @@ fn standby_threads_serve_while_fsyncs_arrive_and_park_otherwise() {
             .sum();
         (n("served"), n("parks"), requests)
     };
-    let burst = |fsync: bool, per_thread: u64, tag: &str| {
-        let start = Barrier::new(THREADS as usize);
-        std::thread::scope(|s| {
-            for t in 0..THREADS {
-                let (dir, start) = (m.root().to_path_buf(), &start);
-                s.spawn(move || {
-                    start.wait();
-                    for i in 0..per_thread {
-                        let mut f = File::create(dir.join(format!("{tag}{t}-{i}"))).unwrap();
-                        f.write_all(pattern(t * 10_000 + i, 100)).unwrap();
-                        if fsync {
-                            f.sync_all().unwrap();
-                        }
-                    }
-                });
-            }
-        });
-    };
     let (served0, _, _) = standby(&m);
-    burst(true, SYNCED, "s");
+    create_concurrently(m.root(), THREADS, SYNCED, 100, "s", true);
     let (served1, _, _) = standby(&m);
     assert!(
         served1 > served0,
@@ -475,7 +471,7 @@ fn standby_threads_serve_while_fsyncs_arrive_and_park_otherwise() {
     // Past the time an fsync keeps the standby threads serving.
     std::thread::sleep(std::time::Duration::from_millis(500));
     let (served2, parks2, requests2) = standby(&m);
-    burst(false, PLAIN, "p");
+    create_concurrently(m.root(), THREADS, PLAIN, 100, "p", false);
     let (served3, parks3, requests3) = standby(&m);
     let (served, parks, requests) = (served3 - served2, parks3 - parks2, requests3 - requests2);
     assert_eq!(
@@ -487,14 +483,8 @@ fn standby_threads_serve_while_fsyncs_arrive_and_park_otherwise() {
         "standby threads served {served} of {requests} requests without fsync"
     );
     m.remount();
-    for t in 0..THREADS {
-        for (tag, n) in [("s", SYNCED), ("p", PLAIN)] {
-            for i in 0..n {
-                let got = fs::read(m.path(format!("{tag}{t}-{i}"))).unwrap();
-                assert_bytes_eq(&got, pattern(t * 10_000 + i, 100), 0, "created file");
-            }
-        }
-    }
+    check_created(&m, THREADS, SYNCED, 100, "s");
+    check_created(&m, THREADS, PLAIN, 100, "p");
     m.unmount();
 }
 
