@@ -344,38 +344,6 @@ fn many_small_files_2000() {
 // concurrent fsyncs: group commit and the stats that split an fsync's time
 // ---------------------------------------------------------------------------
 
-/// `threads` threads at once each create `files` files in `dir`, named `{tag}{t}-{i}`
-/// and holding `len` bytes of `pattern(t * 10_000 + i, len)`, fsyncing each when
-/// `fsync` is set.
-fn create_concurrently(dir: &Path, threads: u64, files: u64, len: usize, tag: &str, fsync: bool) {
-    let start = Barrier::new(threads as usize);
-    std::thread::scope(|s| {
-        for t in 0..threads {
-            let start = &start;
-            s.spawn(move || {
-                start.wait();
-                for i in 0..files {
-                    let mut f = File::create(dir.join(format!("{tag}{t}-{i}"))).unwrap();
-                    f.write_all(pattern(t * 10_000 + i, len)).unwrap();
-                    if fsync {
-                        f.sync_all().unwrap();
-                    }
-                }
-            });
-        }
-    });
-}
-
-/// Checks what [`create_concurrently`] made, through `m`.
-fn check_created(m: &Mount, threads: u64, files: u64, len: usize, tag: &str) {
-    for t in 0..threads {
-        for i in 0..files {
-            let got = fs::read(m.path(format!("{tag}{t}-{i}"))).unwrap();
-            assert_bytes_eq(&got, pattern(t * 10_000 + i, len), 0, "created file");
-        }
-    }
-}
-
 #[test]
 fn concurrent_fsyncs_share_log_commits_and_stats_split_their_time() {
     const THREADS: u64 = 8;

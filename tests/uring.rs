@@ -12,7 +12,6 @@
 mod common;
 
 use std::fs;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 
 use birchfs::fuse::uring::{enabled_in_kernel, ENABLE_PARAM};
@@ -38,37 +37,6 @@ fn uring_requests(m: &Mount) -> u64 {
     daemon_stats(m)["uring_requests"]
         .as_u64()
         .expect("uring_requests")
-}
-
-/// `threads` threads at once each create `files` files `t{t}-{i}` of `len` bytes in
-/// the mount's root, fsyncing each.
-fn fsync_files_in_threads(m: &Mount, threads: u64, files: u64, len: usize) {
-    let hs: Vec<_> = (0..threads)
-        .map(|t| {
-            let dir = m.root().to_path_buf();
-            std::thread::spawn(move || {
-                for i in 0..files {
-                    let p = dir.join(format!("t{t}-{i}"));
-                    let mut f = fs::File::create(&p).unwrap();
-                    f.write_all(pattern(t * 1000 + i, len)).unwrap();
-                    f.sync_all().unwrap();
-                }
-            })
-        })
-        .collect();
-    for h in hs {
-        h.join().unwrap();
-    }
-}
-
-/// Checks every file [`fsync_files_in_threads`] made.
-fn check_fsynced_files(m: &Mount, threads: u64, files: u64, len: usize) {
-    for t in 0..threads {
-        for i in 0..files {
-            let got = fs::read(m.path(format!("t{t}-{i}"))).unwrap();
-            assert_bytes_eq(&got, pattern(t * 1000 + i, len), 0, "fsynced file");
-        }
-    }
 }
 
 #[test]
@@ -126,7 +94,7 @@ fn fsyncs_of_many_threads_are_answered_from_the_group_commit() {
     // thread's group commit reach their ring through its mailbox.
     let m = Mount::with_options(&["uring=on", "uring_threads=1", "uring_depth=4"]);
     let before = daemon_stats(&m);
-    fsync_files_in_threads(&m, 12, 40, 5000);
+    create_concurrently(m.root(), 12, 40, 5000, "t", true);
     let after = daemon_stats(&m);
     let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
     assert!(
@@ -141,7 +109,7 @@ fn fsyncs_of_many_threads_are_answered_from_the_group_commit() {
         d("fsyncs")
     );
     assert!(d("uring_requests") >= 480 * 3);
-    check_fsynced_files(&m, 12, 40, 5000);
+    check_created(&m, 12, 40, 5000, "t");
 }
 
 /// Over the rings each fsync's own thread commits its group when it can, beside the
@@ -160,7 +128,7 @@ fn group_commits_run_side_by_side_over_the_rings_and_one_at_a_time_through_dev_f
         }
         let mut m = Mount::with_options(opts);
         let before = daemon_stats(&m);
-        fsync_files_in_threads(&m, 8, 30, 9000);
+        create_concurrently(m.root(), 8, 30, 9000, "t", true);
         let after = daemon_stats(&m);
         let d = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
         assert!(d("fsyncs") >= 240, "fsyncs: {}", d("fsyncs"));
@@ -175,7 +143,7 @@ fn group_commits_run_side_by_side_over_the_rings_and_one_at_a_time_through_dev_f
         }
         m.kill_daemon();
         m.mount();
-        check_fsynced_files(&m, 8, 30, 9000);
+        check_created(&m, 8, 30, 9000, "t");
         m.unmount();
     }
 }

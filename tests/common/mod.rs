@@ -18,7 +18,7 @@
 
 use std::ffi::{CStr, CString, OsStr};
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
@@ -1295,6 +1295,45 @@ pub fn mib_data(n: usize, key: u64) -> Vec<u8> {
         .flat_map(|i| pattern(key * 1000 + i, 1 << 20))
         .copied()
         .collect()
+}
+
+/// `threads` threads at once each create `files` files in `dir`, named `{tag}{t}-{i}`
+/// and holding `len` bytes of `pattern(t * 10_000 + i, len)`, fsyncing each when
+/// `fsync` is set.
+pub fn create_concurrently(
+    dir: &Path,
+    threads: u64,
+    files: u64,
+    len: usize,
+    tag: &str,
+    fsync: bool,
+) {
+    let start = std::sync::Barrier::new(threads as usize);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let start = &start;
+            s.spawn(move || {
+                start.wait();
+                for i in 0..files {
+                    let mut f = File::create(dir.join(format!("{tag}{t}-{i}"))).unwrap();
+                    f.write_all(pattern(t * 10_000 + i, len)).unwrap();
+                    if fsync {
+                        f.sync_all().unwrap();
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// Checks what [`create_concurrently`] made, through `m`.
+pub fn check_created(m: &Mount, threads: u64, files: u64, len: usize, tag: &str) {
+    for t in 0..threads {
+        for i in 0..files {
+            let got = fs::read(m.path(format!("{tag}{t}-{i}"))).unwrap();
+            assert_bytes_eq(&got, pattern(t * 10_000 + i, len), 0, "created file");
+        }
+    }
 }
 
 /// `len` (at most 2 MiB) pseudo-random bytes determined by `key`.
