@@ -134,11 +134,11 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
             .map(Duration::from_secs_f64)
             .ok_or_else(|| anyhow!("bad value in mount option '{opt}' (0 to 86400 seconds)"))
     };
-    let count = |opt: &str, v: &str, max: usize| {
-        v.parse()
-            .ok()
-            .filter(|n| (1..=max).contains(n))
-            .ok_or_else(|| anyhow!("bad value in mount option '{opt}' (1 to {max})"))
+    let count = |opt: &str, v: &str, range: std::ops::RangeInclusive<usize>| {
+        v.parse().ok().filter(|n| range.contains(n)).ok_or_else(|| {
+            let (min, max) = range.into_inner();
+            anyhow!("bad value in mount option '{opt}' ({min} to {max})")
+        })
     };
     let mut cache_given = false;
     for opt in list.iter().filter(|s| !s.is_empty()) {
@@ -164,21 +164,15 @@ pub(crate) fn parse_mount_options(list: &[String]) -> Result<MountOpts> {
                     .map_err(|_| anyhow!("bad value in mount option '{opt}'"))?;
                 o.fs.cache.dirty_expire = Duration::from_secs(secs);
             }
-            Some(("threads", v)) => o.threads = count(opt, v, 256)?,
-            Some(("standby_threads", v)) => {
-                o.standby = v
-                    .parse()
-                    .ok()
-                    .filter(|n| *n <= 64)
-                    .ok_or_else(|| anyhow!("bad value in mount option '{opt}' (0 to 64)"))?
-            }
+            Some(("threads", v)) => o.threads = count(opt, v, 1..=256)?,
+            Some(("standby_threads", v)) => o.standby = count(opt, v, 0..=64)?,
             Some(("timeout", v)) => o.timeouts.entry = seconds(opt, v)?,
             Some(("negative_timeout", v)) => o.timeouts.negative = seconds(opt, v)?,
             Some(("uring", "on")) => o.uring = UringMode::On,
             Some(("uring", "off")) => o.uring = UringMode::Off,
             Some(("uring", "auto")) => o.uring = UringMode::Auto,
-            Some(("uring_threads", v)) => o.ring.threads = count(opt, v, 64)?,
-            Some(("uring_depth", v)) => o.ring.depth = count(opt, v, 256)?,
+            Some(("uring_threads", v)) => o.ring.threads = count(opt, v, 1..=64)?,
+            Some(("uring_depth", v)) => o.ring.depth = count(opt, v, 1..=256)?,
             Some(("block_dirty", "on")) => o.fs.cache.block_dirty = true,
             Some(("block_dirty", "off")) => o.fs.cache.block_dirty = false,
             Some(("fsync_gather", "on")) => o.gather = true,
