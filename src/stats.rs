@@ -74,6 +74,8 @@ pub struct Stats {
     pub gather_chosen: AtomicU64,
     /// Measurements by the group commit that found it does not.
     pub gather_declined: AtomicU64,
+    /// Measurements by the group commit that found two committers at once pay.
+    pub gather_overlap: AtomicU64,
     /// fsync latency.
     pub fsync_latency: Histogram,
     /// Full commit latency.
@@ -206,6 +208,7 @@ impl Stats {
             requests: self.requests.snapshot(),
             gather_chosen: g(&self.gather_chosen),
             gather_declined: g(&self.gather_declined),
+            gather_overlap: g(&self.gather_overlap),
             fsync_latency: self.fsync_latency.summary(),
             commit_latency: self.commit_latency.summary(),
             log_flush_latency: self.log_flush_latency.summary(),
@@ -296,6 +299,8 @@ pub struct StatsSnapshot {
     pub gather_chosen: u64,
     /// See [`Stats::gather_declined`].
     pub gather_declined: u64,
+    /// See [`Stats::gather_overlap`].
+    pub gather_overlap: u64,
     /// See [`Stats::fsync_latency`].
     pub fsync_latency: LatencySummary,
     /// See [`Stats::commit_latency`].
@@ -451,7 +456,7 @@ impl StatsSnapshot {
                 "\"fallbacks\":{},\"commits_deferred\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
                 "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},\"standby\":{{\"served\":{},\"parks\":{}}},",
-                "\"requests\":{},\"gather\":{{\"chosen\":{},\"declined\":{}}},",
+                "\"requests\":{},\"gather\":{{\"chosen\":{},\"declined\":{},\"overlap\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"log_write\":{},\"fsync_prepare\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
             self.readonly,
@@ -492,6 +497,7 @@ impl StatsSnapshot {
             self.requests.json(),
             self.gather_chosen,
             self.gather_declined,
+            self.gather_overlap,
             self.fsync_latency.json(),
             self.commit_latency.json(),
             self.log_flush_latency.json(),
@@ -535,8 +541,8 @@ impl StatsSnapshot {
             &mut s,
             "gathering measured",
             format!(
-                "{} times paid, {} not",
-                self.gather_chosen, self.gather_declined
+                "{} times paid, {} not, {} two committers paid more",
+                self.gather_chosen, self.gather_declined, self.gather_overlap
             ),
         );
         row(&mut s, "shared node copies", self.shared_cows.to_string());

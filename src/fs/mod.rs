@@ -721,12 +721,14 @@ impl Fs {
         crate::stats::Stats::add(&self.stats.direct_read_bytes, bytes);
     }
 
-    /// Counts a measurement of whether gathering fsyncs pays, by its outcome.
-    pub fn count_gather_choice(&self, on: bool) {
-        let c = if on {
-            &self.stats.gather_chosen
-        } else {
-            &self.stats.gather_declined
+    /// Counts a measurement of how a group commit does best: with one committer
+    /// that gathers (`Some(true)`), one that does not (`Some(false)`), or two at
+    /// once (`None`).
+    pub fn count_gather_choice(&self, gather: Option<bool>) {
+        let c = match gather {
+            Some(true) => &self.stats.gather_chosen,
+            Some(false) => &self.stats.gather_declined,
+            None => &self.stats.gather_overlap,
         };
         crate::stats::Stats::add(c, 1);
     }

@@ -29,9 +29,16 @@
 //! create between two fsyncs ran 10-20% slower with it on a 2-CPU VM, while fio's
 //! 4 KiB overwrites with fdatasync on a loop device, whose flushes are slow, ran
 //! 15% faster. So the queue counts the fsyncs answered per second in short windows
-//! with and without gathering, keeps the mode that answers more for a while, and
-//! measures again. A tie goes to gathering: larger groups write fewer log blocks
-//! and fill the log more slowly (fewer full commits), which the windows do not see.
+//! in each [`Mode`], keeps the mode that answered most for a while, and measures
+//! again. A tie goes to gathering: larger groups write fewer log blocks and fill
+//! the log more slowly (fewer full commits), which the windows do not see. The third
+//! mode lets two committers work at once through `/dev/fuse` too (see "Several
+//! committers"); it must answer 5% more to be chosen, as it writes more log blocks.
+//! On a 2-CPU VM whose device serves two flushes side by side, fs_mark's creates
+//! with fsync (4 threads) ran 8-10% faster with two committers always on (medians
+//! of 5 and 6 interleaved rounds), while fio's overwrites with fdatasync ran no faster and
+//! wrote 0.3 more device bytes per byte; with the tuner choosing, fs_mark gained 4%
+//! (a 0.4 s run is mostly measuring) and fio's write amplification rose 0.1.
 //!
 //! A gather holds no thread. The committer notes what it waits for and returns to
 //! serving requests: the fsync that completes the gather commits the group on its
@@ -56,8 +63,10 @@
 //! VM, fio's 4 KiB overwrites with fdatasync went from 42-48 to 60-63 MiB/s (fsync
 //! p50 289-338 to 222-234 µs) and fs_mark's creates with fsync from 10,100-11,600 to
 //! 11,700-14,800 files/s. Several committers never gather. Through `/dev/fuse` one
-//! committer stays: several were no faster there with fio and slower with fs_mark
-//! (more flushes for the same fsyncs).
+//! committer is set: several were no faster there with fio and, before the standby
+//! request threads (`fuse::standby`) served requests while committers flush, slower
+//! with fs_mark (more flushes for the same fsyncs); the [`Tuner`] lets a second one
+//! work where that measures faster.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -86,41 +95,75 @@ const CHOSEN_WINDOWS: u32 = 20;
 /// goes to gathering, which writes fewer log blocks).
 const NO_GATHER_MARGIN: f64 = 1.03;
 
+/// How many more fsyncs per second two committers must answer than the better of
+/// the one-committer modes to be chosen: each writes its own log blocks, so they
+/// fill the log faster and write more (see the module's "Several committers").
+const OVERLAP_MARGIN: f64 = 1.05;
+
 /// A window longer than this many [`WINDOW`]s spanned a pause and measures nothing.
 const PAUSE_WINDOWS: u32 = 4;
 
-/// Decides by measuring whether gathering pays for the fsyncs at hand: four windows
-/// with and without it (in the order with, without, without, with), then the mode
-/// that answered more fsyncs per second for [`CHOSEN_WINDOWS`] windows, and again.
+/// How a single-committer queue commits groups (see the module's "Gathering" and
+/// "Several committers").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// One committer, which waits briefly for the fsyncs of threads expected back.
+    #[default]
+    Gather,
+    /// One committer, which takes what is queued at once.
+    Single,
+    /// Two committers at once, neither waiting.
+    Overlap,
+}
+
+/// The modes of the measuring windows, in order: each is measured twice, the order
+/// symmetric so that a trend over the cycle favours none.
+const MEASURED: [Mode; 6] = [
+    Mode::Gather,
+    Mode::Single,
+    Mode::Overlap,
+    Mode::Overlap,
+    Mode::Single,
+    Mode::Gather,
+];
+
+/// Decides by measuring how a single-committer queue does best for the fsyncs at
+/// hand: windows in each [`Mode`] (in the order of [`MEASURED`]), then the mode that
+/// answered the most fsyncs per second, with the margins above, for
+/// [`CHOSEN_WINDOWS`] windows, and again.
 #[derive(Debug, Default)]
 pub(crate) struct Tuner {
     /// When the current window began (`None` before the first answer).
     start: Option<Instant>,
     /// Fsyncs answered in the current window.
     count: u64,
-    /// Which window of the cycle this is: 0 to 3 measure, the rest use `choice`.
+    /// Which window of the cycle this is: the first [`MEASURED`] ones measure, the
+    /// rest use `choice`.
     step: u32,
-    /// Fsyncs per second with gathering, summed over this cycle's windows.
-    with: f64,
-    /// The same without gathering.
-    without: f64,
-    /// Whether the last measurement chose gathering.
-    choice: bool,
+    /// Fsyncs per second in each mode (by [`Mode`] as index), summed over this
+    /// cycle's windows.
+    rates: [f64; 3],
+    /// What the last measurement chose.
+    choice: Mode,
 }
 
 impl Tuner {
-    /// Whether gathering is on in the current window.
+    /// The mode of the current window.
+    pub(crate) fn mode(&self) -> Mode {
+        MEASURED
+            .get(self.step as usize)
+            .copied()
+            .unwrap_or(self.choice)
+    }
+
+    /// Whether the current window gathers.
     pub(crate) fn gathers(&self) -> bool {
-        match self.step {
-            0 | 3 => true,
-            1 | 2 => false,
-            _ => self.choice,
-        }
+        self.mode() == Mode::Gather
     }
 
     /// Notes `n` fsyncs answered at `now`, and moves to the next window when this
     /// one is over; returns the choice when a measurement ends.
-    pub(crate) fn answered(&mut self, n: u64, now: Instant) -> Option<bool> {
+    pub(crate) fn answered(&mut self, n: u64, now: Instant) -> Option<Mode> {
         let start = *self.start.get_or_insert(now);
         self.count += n;
         let took = now.saturating_duration_since(start);
@@ -133,18 +176,25 @@ impl Tuner {
             return None;
         }
         let rate = count as f64 / took.as_secs_f64();
-        match self.step {
-            0 | 3 => self.with += rate,
-            1 | 2 => self.without += rate,
-            _ => {}
+        if let Some(&m) = MEASURED.get(self.step as usize) {
+            self.rates[m as usize] += rate;
         }
         self.step += 1;
-        let chose = (self.step == 4).then(|| {
-            self.choice = self.without <= self.with * NO_GATHER_MARGIN;
-            (self.with, self.without) = (0.0, 0.0);
+        let chose = (self.step as usize == MEASURED.len()).then(|| {
+            let [g, s, o] = std::mem::take(&mut self.rates);
+            let (one, best) = if s > g * NO_GATHER_MARGIN {
+                (Mode::Single, s)
+            } else {
+                (Mode::Gather, g)
+            };
+            self.choice = if o > best * OVERLAP_MARGIN {
+                Mode::Overlap
+            } else {
+                one
+            };
             self.choice
         });
-        if self.step >= 4 + CHOSEN_WINDOWS {
+        if self.step >= MEASURED.len() as u32 + CHOSEN_WINDOWS {
             self.step = 0;
         }
         chose
@@ -240,13 +290,13 @@ impl QueueState {
     }
 
     /// Notes that the fsyncs of `pids` were answered at `now`, after a log sync that
-    /// took `took`; returns whether gathering was chosen, when the tuner chose.
+    /// took `took`; returns the tuner's choice, when it chose.
     pub(crate) fn answered(
         &mut self,
         pids: impl IntoIterator<Item = u32>,
         now: Instant,
         took: Duration,
-    ) -> Option<bool> {
+    ) -> Option<Mode> {
         self.flush = if self.flush.is_zero() {
             took
         } else {
@@ -419,11 +469,20 @@ impl FsyncQueue {
             .store(n.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// How many committers may be at work at once.
+    /// How many committers may be at work at once, as set.
     fn committers(&self) -> usize {
         self.committers
             .load(std::sync::atomic::Ordering::Relaxed)
             .max(1)
+    }
+
+    /// How many committers may be at work at once now (`st` locked): as set, or
+    /// with one set, two while the tuner has them overlap.
+    fn committers_now(&self, st: &QueueState) -> usize {
+        match self.committers() {
+            1 if st.tuner.mode() == Mode::Overlap => 2,
+            n => n,
+        }
     }
 
     /// Notes an fsync from thread `pid`, counted as preparing until it is queued or
@@ -452,7 +511,7 @@ impl FsyncQueue {
                 st.prepared();
             }
             st.ready.push(p);
-            if st.committing >= self.committers() {
+            if st.committing >= self.committers_now(&st) {
                 return;
             }
             if let Some((g, _)) = st.gathering {
@@ -508,6 +567,11 @@ impl FsyncQueue {
                 if st.committing > 1 {
                     fs.count_overlapped_log_commit();
                 }
+                // A gather begun by another committer (while the tuner had two at
+                // once) is over: this group takes what it waited for.
+                if st.gathering.take().is_some() {
+                    self.arm(&st, Instant::now());
+                }
                 std::mem::take(&mut st.ready)
             };
             let target = group.iter().map(|p| p.target).max().unwrap_or(0);
@@ -523,8 +587,12 @@ impl FsyncQueue {
                 Instant::now(),
                 t0.elapsed(),
             );
-            if let Some(on) = chose.filter(|_| gather) {
-                fs.count_gather_choice(on);
+            if let Some(mode) = chose.filter(|_| self.committers() == 1) {
+                fs.count_gather_choice(match mode {
+                    Mode::Gather => Some(gather),
+                    Mode::Single => Some(false),
+                    Mode::Overlap => None,
+                });
             }
             for p in group {
                 fs.record_fsync_latency(p.arrived.elapsed());
@@ -803,6 +871,60 @@ mod tests {
         assert_eq!(fs.stats().log_commits_overlapped, 1);
     }
 
+    /// With one committer set, a second one works beside the first only in the
+    /// tuner's overlapping windows.
+    #[test]
+    fn the_tuners_overlap_windows_allow_a_second_committer() {
+        let (fs, q) = gathering_queue();
+        // Another thread is committing; the tuner is in its first (gathering) window.
+        q.state.lock().committing = 1;
+        let (p1, done1) = pending(1);
+        q.submit(&fs, p1, None);
+        assert!(
+            !done1.load(Ordering::SeqCst),
+            "answered beside the committer"
+        );
+        // In the tuner's first overlapping window, the next fsync's thread commits.
+        {
+            let mut st = q.state.lock();
+            st.tuner.step = MEASURED.iter().position(|&m| m == Mode::Overlap).unwrap() as u32;
+            assert_eq!(q.committers_now(&st), 2);
+        }
+        let (p2, done2) = pending(2);
+        q.submit(&fs, p2, None);
+        assert!(done1.load(Ordering::SeqCst) && done2.load(Ordering::SeqCst));
+        let st = q.state.lock();
+        assert!(st.ready.is_empty());
+        assert_eq!(st.committing, 1, "the other committer is still counted");
+        assert_eq!(fs.stats().log_commits_overlapped, 1);
+    }
+
+    /// A committer that takes a group ends a gather that another committer began
+    /// (both at work while the tuner overlapped): the gather's fsyncs are in it.
+    #[test]
+    fn a_group_taken_beside_a_gather_ends_it() {
+        let (fs, q) = gathering_queue();
+        let (p1, done1) = pending(1);
+        {
+            let mut st = q.state.lock();
+            st.committing = 2;
+            st.ready.push(p1);
+            let until = Instant::now() + Duration::from_secs(3600);
+            st.gathering = Some((Gather { ready: 5, until }, Instant::now()));
+            q.arm(&st, Instant::now());
+        }
+        // As a committer that has just ended a gather of its own goes on.
+        q.commit_groups(&fs, Some(Instant::now()));
+        assert!(done1.load(Ordering::SeqCst));
+        let st = q.state.lock();
+        assert!(st.ready.is_empty() && st.gathering.is_none());
+        assert_eq!(st.committing, 1, "the other committer is still counted");
+        assert!(
+            !q.alarm.get().unwrap().armed(),
+            "the ended gather's alarm is armed"
+        );
+    }
+
     /// Several committers never gather: each commits at once what is queued.
     #[test]
     fn with_several_committers_nothing_is_gathered() {
@@ -882,49 +1004,76 @@ mod tests {
 
     /// Runs one window of `tuner` from `at`: `n` fsyncs answered over it. Returns
     /// the window's end and what the tuner chose at it, if it chose.
-    fn window(tuner: &mut Tuner, at: Instant, n: u64) -> (Instant, Option<bool>) {
+    fn window(tuner: &mut Tuner, at: Instant, n: u64) -> (Instant, Option<Mode>) {
         tuner.answered(n / 2, at + WINDOW / 2);
         let end = at + WINDOW;
         (end, tuner.answered(n - n / 2, end))
     }
 
+    /// Runs a measuring cycle of `t` from `at` with `rate(mode)` fsyncs per window,
+    /// checking the mode of each window; returns its end and the choice.
+    fn measure(t: &mut Tuner, mut at: Instant, rate: impl Fn(Mode) -> u64) -> (Instant, Mode) {
+        for (i, &m) in MEASURED.iter().enumerate() {
+            assert_eq!(t.mode(), m, "window {i}");
+            assert_eq!(t.gathers(), m == Mode::Gather);
+            let (end, chose) = window(t, at, rate(m));
+            at = end;
+            if i + 1 < MEASURED.len() {
+                assert_eq!(chose, None, "window {i}");
+            } else {
+                return (at, chose.expect("a choice at the end of the measuring"));
+            }
+        }
+        unreachable!()
+    }
+
+    /// Runs the chosen windows of `t` from `at`, checking that they keep `mode`.
+    fn keep(t: &mut Tuner, mut at: Instant, mode: Mode) -> Instant {
+        for _ in 0..CHOSEN_WINDOWS {
+            assert_eq!(t.mode(), mode);
+            let (end, chose) = window(t, at, 1);
+            assert_eq!(chose, None);
+            at = end;
+        }
+        at
+    }
+
     #[test]
-    fn the_tuner_measures_both_modes_and_keeps_the_one_that_answers_more() {
+    fn the_tuner_measures_every_mode_and_keeps_the_one_that_answers_most() {
+        use Mode::*;
         let mut t = Tuner::default();
         let mut at = Instant::now();
         // The first answer starts the first window.
         t.answered(0, at);
-        // Gathering answers 20% more fsyncs per window than not gathering.
-        for (want, n) in [(true, 120), (false, 100), (false, 100)] {
-            assert_eq!(t.gathers(), want);
-            let (end, chose) = window(&mut t, at, n);
-            assert_eq!(chose, None);
-            at = end;
-        }
-        assert!(t.gathers());
-        let (end, chose) = window(&mut t, at, 120);
-        assert_eq!(chose, Some(true));
-        at = end;
-        for _ in 0..CHOSEN_WINDOWS {
-            assert!(t.gathers());
-            at = window(&mut t, at, 80).0;
-        }
-        // Measured again: now a tie, which goes to gathering.
-        for n in [100, 101, 101] {
-            at = window(&mut t, at, n).0;
-        }
-        let (end, chose) = window(&mut t, at, 100);
-        assert_eq!(chose, Some(true));
-        at = end;
-        for _ in 0..CHOSEN_WINDOWS {
-            at = window(&mut t, at, 100).0;
-        }
-        // And again: not gathering answers 10% more.
-        for n in [100, 110, 110] {
-            at = window(&mut t, at, n).0;
-        }
-        assert_eq!(window(&mut t, at, 100).1, Some(false));
-        assert!(!t.gathers());
+        // Gathering answers 20% more fsyncs per window than either other mode.
+        let (end, chose) = measure(&mut t, at, |m| if m == Gather { 120 } else { 100 });
+        assert_eq!(chose, Gather);
+        at = keep(&mut t, end, Gather);
+        // Measured again: a tie between the one-committer modes goes to gathering,
+        // and two committers 4% ahead are not enough.
+        let (end, chose) = measure(&mut t, at, |m| match m {
+            Gather => 100,
+            Single => 101,
+            Overlap => 104,
+        });
+        assert_eq!(chose, Gather);
+        at = keep(&mut t, end, Gather);
+        // Not gathering answers 10% more.
+        let (end, chose) = measure(&mut t, at, |m| if m == Single { 110 } else { 100 });
+        assert_eq!(chose, Single);
+        at = keep(&mut t, end, Single);
+        // Two committers answer 10% more than the better one-committer mode.
+        let (end, chose) = measure(&mut t, at, |m| match m {
+            Gather => 100,
+            Single => 105,
+            Overlap => 116,
+        });
+        assert_eq!(chose, Overlap);
+        at = keep(&mut t, end, Overlap);
+        // And the next measurement starts with a gathering window again.
+        assert_eq!(t.mode(), Gather);
+        let (_, chose) = measure(&mut t, at, |_| 100);
+        assert_eq!(chose, Gather);
     }
 
     #[test]
@@ -939,6 +1088,6 @@ mod tests {
         // The window that follows counts.
         let (_, chose) = window(&mut t, at + Duration::from_secs(1), 100);
         assert_eq!((chose, t.step), (None, 1));
-        assert!(!t.gathers());
+        assert_eq!(t.mode(), Mode::Single);
     }
 }
