@@ -36,9 +36,10 @@
 //! committers"); it must answer 5% more to be chosen, as it writes more log blocks.
 //! On a 2-CPU VM whose device serves two flushes side by side, fs_mark's creates
 //! with fsync (4 threads) ran 8-10% faster with two committers always on (medians
-//! of 5 and 6 interleaved rounds), while fio's overwrites with fdatasync ran no faster and
-//! wrote 0.3 more device bytes per byte; with the tuner choosing, fs_mark gained 4%
-//! (a 0.4 s run is mostly measuring) and fio's write amplification rose 0.1.
+//! of 5 and 6 interleaved rounds), while fio's overwrites with fdatasync ran no
+//! faster and wrote 0.3 more device bytes per byte; with the tuner choosing,
+//! fs_mark gained 4% (a 0.4 s run is mostly measuring) and fio's write
+//! amplification rose 0.05-0.1.
 //!
 //! A gather holds no thread. The committer notes what it waits for and returns to
 //! serving requests: the fsync that completes the gather commits the group on its
