@@ -844,27 +844,25 @@ mod tests {
         assert!(!q.alarm.get().unwrap().armed(), "the alarm is still armed");
     }
 
-    /// With one committer allowed, an fsync that comes while a committer is at work
-    /// waits for it; with two, its thread commits the queue at once, beside the
-    /// other, and counts the overlap.
-    #[test]
-    fn a_second_committer_works_beside_the_first_only_when_allowed() {
-        let dev = Arc::new(MemDev::new(64 << 20));
-        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
-        let fs = Arc::new(Fs::open(dev, Options::default()).unwrap());
-        let q = FsyncQueue::default();
-        // Another thread is committing.
+    /// While another thread commits, an fsync waits for it; once `allow` has let a
+    /// second committer work, the next fsync's thread commits the queue at once,
+    /// beside the other, and counts the overlap.
+    fn second_committer_works_once_allowed(
+        fs: &Fs,
+        q: &FsyncQueue,
+        allow: impl FnOnce(&FsyncQueue),
+    ) {
         q.state.lock().committing = 1;
         let (p1, done1) = pending(1);
-        q.submit(&fs, p1, None);
+        q.submit(fs, p1, None);
         assert!(
             !done1.load(Ordering::SeqCst),
             "answered beside the committer"
         );
         assert_eq!(q.state.lock().ready.len(), 1);
-        q.set_committers(2);
+        allow(q);
         let (p2, done2) = pending(2);
-        q.submit(&fs, p2, None);
+        q.submit(fs, p2, None);
         assert!(done1.load(Ordering::SeqCst) && done2.load(Ordering::SeqCst));
         let st = q.state.lock();
         assert!(st.ready.is_empty());
@@ -872,32 +870,26 @@ mod tests {
         assert_eq!(fs.stats().log_commits_overlapped, 1);
     }
 
+    /// With one committer allowed, an fsync that comes while a committer is at work
+    /// waits for it; with two, its thread commits the queue at once.
+    #[test]
+    fn a_second_committer_works_beside_the_first_only_when_allowed() {
+        let dev = Arc::new(MemDev::new(64 << 20));
+        Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+        let fs = Arc::new(Fs::open(dev, Options::default()).unwrap());
+        second_committer_works_once_allowed(&fs, &FsyncQueue::default(), |q| q.set_committers(2));
+    }
+
     /// With one committer set, a second one works beside the first only in the
-    /// tuner's overlapping windows.
+    /// tuner's overlapping windows (the queue starts in a gathering one).
     #[test]
     fn the_tuners_overlap_windows_allow_a_second_committer() {
         let (fs, q) = gathering_queue();
-        // Another thread is committing; the tuner is in its first (gathering) window.
-        q.state.lock().committing = 1;
-        let (p1, done1) = pending(1);
-        q.submit(&fs, p1, None);
-        assert!(
-            !done1.load(Ordering::SeqCst),
-            "answered beside the committer"
-        );
-        // In the tuner's first overlapping window, the next fsync's thread commits.
-        {
+        second_committer_works_once_allowed(&fs, &q, |q| {
             let mut st = q.state.lock();
             st.tuner.step = MEASURED.iter().position(|&m| m == Mode::Overlap).unwrap() as u32;
             assert_eq!(q.committers_now(&st), 2);
-        }
-        let (p2, done2) = pending(2);
-        q.submit(&fs, p2, None);
-        assert!(done1.load(Ordering::SeqCst) && done2.load(Ordering::SeqCst));
-        let st = q.state.lock();
-        assert!(st.ready.is_empty());
-        assert_eq!(st.committing, 1, "the other committer is still counted");
-        assert_eq!(fs.stats().log_commits_overlapped, 1);
+        });
     }
 
     /// A committer that takes a group ends a gather that another committer began
@@ -1046,35 +1038,27 @@ mod tests {
         let mut at = Instant::now();
         // The first answer starts the first window.
         t.answered(0, at);
-        // Gathering answers 20% more fsyncs per window than either other mode.
-        let (end, chose) = measure(&mut t, at, |m| if m == Gather { 120 } else { 100 });
-        assert_eq!(chose, Gather);
-        at = keep(&mut t, end, Gather);
-        // Measured again: a tie between the one-committer modes goes to gathering,
-        // and two committers 4% ahead are not enough.
-        let (end, chose) = measure(&mut t, at, |m| match m {
-            Gather => 100,
-            Single => 101,
-            Overlap => 104,
-        });
-        assert_eq!(chose, Gather);
-        at = keep(&mut t, end, Gather);
-        // Not gathering answers 10% more.
-        let (end, chose) = measure(&mut t, at, |m| if m == Single { 110 } else { 100 });
-        assert_eq!(chose, Single);
-        at = keep(&mut t, end, Single);
-        // Two committers answer 10% more than the better one-committer mode.
-        let (end, chose) = measure(&mut t, at, |m| match m {
-            Gather => 100,
-            Single => 105,
-            Overlap => 116,
-        });
-        assert_eq!(chose, Overlap);
-        at = keep(&mut t, end, Overlap);
-        // And the next measurement starts with a gathering window again.
-        assert_eq!(t.mode(), Gather);
-        let (_, chose) = measure(&mut t, at, |_| 100);
-        assert_eq!(chose, Gather);
+        // Fsyncs per window with gathering, a single committer and two; the choice.
+        let cycles = [
+            // Gathering answers 20% more than either other mode.
+            ([120, 100, 100], Gather),
+            // A tie between the one-committer modes goes to gathering, and two
+            // committers 4% ahead are not enough.
+            ([100, 101, 104], Gather),
+            // Not gathering answers 10% more.
+            ([100, 110, 100], Single),
+            // Two committers answer 10% more than the better one-committer mode.
+            ([100, 105, 116], Overlap),
+            // All even: gathering.
+            ([100, 100, 100], Gather),
+        ];
+        for (rates, want) in cycles {
+            // Every measurement starts with a gathering window.
+            assert_eq!(t.mode(), Gather);
+            let (end, chose) = measure(&mut t, at, |m| rates[m as usize]);
+            assert_eq!(chose, want, "rates {rates:?}");
+            at = keep(&mut t, end, want);
+        }
     }
 
     #[test]
