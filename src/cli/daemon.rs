@@ -224,6 +224,8 @@ fn mount_serve(
     ffs.direct_reads(mo.direct_read());
     ffs.timeouts(mo.timeouts);
     ffs.gather_fsyncs(mo.gather);
+    // fsync_gather=off: one group commit at a time that takes what is queued.
+    ffs.tune_committers(mo.gather);
     if want_uring(mo.uring)? {
         ffs.offer_uring();
     }

@@ -33,7 +33,9 @@
 //! again. A tie goes to gathering: larger groups write fewer log blocks and fill
 //! the log more slowly (fewer full commits), which the windows do not see. The third
 //! mode lets two committers work at once through `/dev/fuse` too (see "Several
-//! committers"); it must answer 5% more to be chosen, as it writes more log blocks.
+//! committers"), where the server asks for it ([`FsyncQueue::set_overlap`]: the
+//! daemon does with gathering on); it must answer 5% more to be chosen, as it writes
+//! more log blocks.
 //! On a 2-CPU VM whose device serves two flushes side by side, fs_mark's creates
 //! with fsync (4 threads) ran 8-10% faster with two committers always on (medians
 //! of 5 and 6 interleaved rounds), while fio's overwrites with fdatasync ran no
@@ -117,8 +119,9 @@ pub(crate) enum Mode {
     Overlap,
 }
 
-/// The modes of the measuring windows, in order: each is measured twice, the order
-/// symmetric so that a trend over the cycle favours none.
+/// The modes of the measuring windows, in order, where two committers are tried
+/// ([`FsyncQueue::set_overlap`]): each is measured twice, the order symmetric so
+/// that a trend over the cycle favours none.
 const MEASURED: [Mode; 6] = [
     Mode::Gather,
     Mode::Single,
@@ -127,6 +130,9 @@ const MEASURED: [Mode; 6] = [
     Mode::Single,
     Mode::Gather,
 ];
+
+/// The measuring windows where only one committer is tried.
+const MEASURED_ONE: [Mode; 4] = [Mode::Gather, Mode::Single, Mode::Single, Mode::Gather];
 
 /// Decides by measuring how a single-committer queue does best for the fsyncs at
 /// hand: windows in each [`Mode`] (in the order of [`MEASURED`]), then the mode that
@@ -146,12 +152,23 @@ pub(crate) struct Tuner {
     rates: [f64; 3],
     /// What the last measurement chose.
     choice: Mode,
+    /// Whether two committers at once are tried.
+    overlap: bool,
 }
 
 impl Tuner {
+    /// The modes of the measuring windows.
+    fn measured(&self) -> &'static [Mode] {
+        if self.overlap {
+            &MEASURED
+        } else {
+            &MEASURED_ONE
+        }
+    }
+
     /// The mode of the current window.
     pub(crate) fn mode(&self) -> Mode {
-        MEASURED
+        self.measured()
             .get(self.step as usize)
             .copied()
             .unwrap_or(self.choice)
@@ -177,11 +194,12 @@ impl Tuner {
             return None;
         }
         let rate = count as f64 / took.as_secs_f64();
-        if let Some(&m) = MEASURED.get(self.step as usize) {
+        let measured = self.measured();
+        if let Some(&m) = measured.get(self.step as usize) {
             self.rates[m as usize] += rate;
         }
         self.step += 1;
-        let chose = (self.step as usize == MEASURED.len()).then(|| {
+        let chose = (self.step as usize == measured.len()).then(|| {
             let [g, s, o] = std::mem::take(&mut self.rates);
             let (one, best) = if s > g * NO_GATHER_MARGIN {
                 (Mode::Single, s)
@@ -195,7 +213,7 @@ impl Tuner {
             };
             self.choice
         });
-        if self.step >= MEASURED.len() as u32 + CHOSEN_WINDOWS {
+        if self.step >= measured.len() as u32 + CHOSEN_WINDOWS {
             self.step = 0;
         }
         chose
@@ -461,6 +479,16 @@ impl FsyncQueue {
     /// Turns gathering on or off. On, a thread must run [`FsyncQueue::run_timer`].
     pub(crate) fn set_gather(&self, on: bool) {
         self.gather.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Lets the tuner try two committers at once as a third mode where one is set
+    /// (see the module's "Gathering"); off, one committer works at a time. The
+    /// tuner starts its measuring over.
+    pub(crate) fn set_overlap(&self, on: bool) {
+        self.state.lock().tuner = Tuner {
+            overlap: on,
+            ..Tuner::default()
+        };
     }
 
     /// Lets up to `n` committers work at once (see the module's "Several
@@ -886,6 +914,7 @@ mod tests {
     fn the_tuners_overlap_windows_allow_a_second_committer() {
         let (fs, q) = gathering_queue();
         second_committer_works_once_allowed(&fs, &q, |q| {
+            q.set_overlap(true);
             let mut st = q.state.lock();
             st.tuner.step = MEASURED.iter().position(|&m| m == Mode::Overlap).unwrap() as u32;
             assert_eq!(q.committers_now(&st), 2);
@@ -1006,12 +1035,13 @@ mod tests {
     /// Runs a measuring cycle of `t` from `at` with `rate(mode)` fsyncs per window,
     /// checking the mode of each window; returns its end and the choice.
     fn measure(t: &mut Tuner, mut at: Instant, rate: impl Fn(Mode) -> u64) -> (Instant, Mode) {
-        for (i, &m) in MEASURED.iter().enumerate() {
+        let measured = t.measured();
+        for (i, &m) in measured.iter().enumerate() {
             assert_eq!(t.mode(), m, "window {i}");
             assert_eq!(t.gathers(), m == Mode::Gather);
             let (end, chose) = window(t, at, rate(m));
             at = end;
-            if i + 1 < MEASURED.len() {
+            if i + 1 < measured.len() {
                 assert_eq!(chose, None, "window {i}");
             } else {
                 return (at, chose.expect("a choice at the end of the measuring"));
@@ -1034,7 +1064,10 @@ mod tests {
     #[test]
     fn the_tuner_measures_every_mode_and_keeps_the_one_that_answers_most() {
         use Mode::*;
-        let mut t = Tuner::default();
+        let mut t = Tuner {
+            overlap: true,
+            ..Tuner::default()
+        };
         let mut at = Instant::now();
         // The first answer starts the first window.
         t.answered(0, at);
@@ -1055,6 +1088,21 @@ mod tests {
         for (rates, want) in cycles {
             // Every measurement starts with a gathering window.
             assert_eq!(t.mode(), Gather);
+            let (end, chose) = measure(&mut t, at, |m| rates[m as usize]);
+            assert_eq!(chose, want, "rates {rates:?}");
+            at = keep(&mut t, end, want);
+        }
+    }
+
+    #[test]
+    fn without_overlap_the_tuner_never_tries_two_committers() {
+        use Mode::*;
+        let mut t = Tuner::default();
+        let mut at = Instant::now();
+        t.answered(0, at);
+        assert_eq!(t.measured(), &[Gather, Single, Single, Gather]);
+        // However many fsyncs an overlapping window would answer, none is run.
+        for (rates, want) in [([100, 100, 500], Gather), ([100, 110, 500], Single)] {
             let (end, chose) = measure(&mut t, at, |m| rates[m as usize]);
             assert_eq!(chose, want, "rates {rates:?}");
             at = keep(&mut t, end, want);

@@ -267,6 +267,12 @@ impl FuseFs {
         self.fsyncs.set_gather(on && self.workers.timer.is_some());
     }
 
+    /// Lets the group commit's tuner try two committers at once where one is set
+    /// (see `fuse::group`); off by default: one group commit at a time.
+    pub fn tune_committers(&self, on: bool) {
+        self.fsyncs.set_overlap(on);
+    }
+
     /// Lets up to `n` group commits of fsyncs run at once (for FUSE over io_uring,
     /// where a committer answers other threads' fsyncs only through their threads).
     pub fn fsync_committers(&self, n: usize) {
