@@ -616,7 +616,9 @@ impl FsyncQueue {
                 Instant::now(),
                 t0.elapsed(),
             );
-            if let Some(mode) = chose.filter(|_| self.committers() == 1) {
+            // Counted only where the tuner's choice is used: with gathering off
+            // (or several committers set) its windows change nothing.
+            if let Some(mode) = chose.filter(|_| gather) {
                 fs.count_gather_choice(match mode {
                     Mode::Gather => Some(gather),
                     Mode::Single => Some(false),
@@ -961,6 +963,39 @@ mod tests {
         let st = q.state.lock();
         assert!(st.gathering.is_none() && st.committing == 0);
         assert_eq!(fs.stats().log_commits_overlapped, 0);
+    }
+
+    /// Commits one fsync on `q` in the last measuring window of its tuner, which
+    /// has measured gathering to answer most; returns the choices counted.
+    fn choices_counted_after_a_measurement(fs: &Fs, q: &FsyncQueue) -> [u64; 3] {
+        {
+            let mut st = q.state.lock();
+            st.tuner.step = MEASURED_ONE.len() as u32 - 1;
+            st.tuner.rates = [1e6, 0.0, 0.0];
+            st.tuner.start = Some(Instant::now() - WINDOW * 2);
+        }
+        let (p, done) = pending(3);
+        q.submit(fs, p, None);
+        assert!(done.load(Ordering::SeqCst));
+        assert_eq!(
+            q.state.lock().tuner.step,
+            MEASURED_ONE.len() as u32,
+            "the measurement did not end"
+        );
+        let s = fs.stats();
+        [s.gather_chosen, s.gather_declined, s.gather_overlap]
+    }
+
+    /// The tuner's choice is counted where it is used, and not with gathering off.
+    #[test]
+    fn the_tuners_choice_is_counted_only_with_gathering_on() {
+        let (fs, q) = gathering_queue();
+        // No thread is expected back: the fsync is committed at once, not gathered.
+        q.state.lock().threads.clear();
+        assert_eq!(choices_counted_after_a_measurement(&fs, &q), [1, 0, 0]);
+        q.set_gather(false);
+        q.set_overlap(false);
+        assert_eq!(choices_counted_after_a_measurement(&fs, &q), [1, 0, 0]);
     }
 
     #[test]
