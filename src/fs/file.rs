@@ -558,11 +558,12 @@ impl Inner {
             let mut pos = off;
             for ((p, sums), fe) in space.iter().zip(sums).zip(fes) {
                 s.store.insert(tree::CSUM, csum_key(p.addr), sums)?;
-                if mapped {
-                    s.store
-                        .insert(tree::FS, extent_key(ino, pos), fe.as_bytes().to_vec())?;
-                } else {
-                    s.put_extent(ino, pos, &fe)?;
+                // As `put_extent`, without its own forgetting of the map on an error
+                // (this closure's does).
+                s.store
+                    .insert(tree::FS, extent_key(ino, pos), fe.as_bytes().to_vec())?;
+                if !mapped {
+                    s.maps.update(ino, |m| m.replace(pos, mapping_of(&fe)));
                 }
                 if p.into.is_none() {
                     s.store.data_ref(p.addr, p.len, 1);
