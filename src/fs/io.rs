@@ -888,7 +888,7 @@ impl Fs {
     }
 
     /// Under memory pressure (`short`), halves what the page cache may hold and sheds
-    /// down to it ([`Fs::shed`]: the oldest dirty files written back whole past the
+    /// down to it (`Fs::shed`: the oldest dirty files written back whole past the
     /// lower dirty limit, clean folios evicted); without it, lets the cache grow back,
     /// doubling per call, to `cache_size`.
     /// Servers call it about once a second with [`crate::MemoryPressure::short`].

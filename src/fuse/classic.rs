@@ -493,7 +493,7 @@ impl Filesystem for FuseFs {
     }
 
     /// FITRIM, BIRCHFS_IOC_SYNC, BIRCHFS_IOC_RESIZE and the inode flags' ioctls;
-    /// ENOTTY for the rest (see [`FuseFs::ioctl`]).
+    /// ENOTTY for the rest (see `FuseFs::ioctl`).
     fn ioctl(
         &self,
         req: &Request,

@@ -15,7 +15,7 @@
 //! waiting fsync after one flush): such an answer is written into its entry, the
 //! entry's number is posted to its thread's mailbox, and the thread is woken through
 //! an eventfd it keeps a read pending on. Only the owning thread ever submits to its
-//! ring. An entry's buffers belong to whoever holds its [`RingReply`] until the
+//! ring. An entry's buffers belong to whoever holds its `RingReply` until the
 //! answer is posted; the buffers live as long as any reply or the thread holds them.
 //!
 //! INIT, FORGET and INTERRUPT still come through `/dev/fuse` (fuser's loop), as the
