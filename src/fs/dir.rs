@@ -437,6 +437,11 @@ impl Inner {
         if n == 0 && !self.pinned(ino) {
             return self.free_inode(ino);
         }
+        if n == 0 {
+            // Before the item is stored: should that or the orphan item fail, the
+            // last release still looks (and frees it only at no links).
+            self.open_orphans.insert(ino);
+        }
         self.put_inode(ino, &mut i)?;
         if n == 0 {
             self.add_orphan(ino)?;

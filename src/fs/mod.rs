@@ -196,6 +196,9 @@ pub(crate) struct Inner {
     next_ino: u64,
     /// Open handles per inode: an unlinked inode lives until its last one closes.
     pins: rustc_hash::FxHashMap<u64, u64>,
+    /// Pinned inodes whose last link was dropped (or was being dropped when that
+    /// failed): the last release frees those left without links.
+    open_orphans: rustc_hash::FxHashSet<u64>,
     /// See [`PendingAttr`].
     pending: rustc_hash::FxHashMap<u64, PendingAttr>,
     /// The page cache, to drop the folios of freed inodes.
@@ -300,6 +303,7 @@ impl Fs {
             store,
             next_ino: objectid::FIRST_FREE,
             pins: Default::default(),
+            open_orphans: Default::default(),
             pending: Default::default(),
             maps: Default::default(),
             cache: Arc::new(PageCache::new(CacheOptions {
@@ -329,6 +333,7 @@ impl Fs {
             store,
             next_ino: 0,
             pins: Default::default(),
+            open_orphans: Default::default(),
             pending: Default::default(),
             maps: Default::default(),
             cache: cache.clone(),
@@ -1369,7 +1374,9 @@ impl Inner {
         };
         if left == 0 {
             self.pins.remove(&ino);
-            if self.store.readonly || is_snapshot_ino(ino) {
+            // Only `drop_link` leaves a pinned inode without links, and it notes it:
+            // the inode is searched for only then, not at every last release.
+            if !self.open_orphans.remove(&ino) || self.store.readonly {
                 return Ok(());
             }
             if let Some(item) = self.get_inode_opt(ino)? {

@@ -350,6 +350,51 @@ fn unlinked_open_file_is_an_orphan_until_released() {
     assert!(matches!(fs.getattr(f.ino), Err(Error::NotFound)));
 }
 
+/// An inode unlinked (or renamed over) while open lives until its last handle is
+/// released, whichever way it lost its last link; a file that keeps a link is never
+/// freed by a release.
+#[test]
+fn the_last_release_of_an_unlinked_file_frees_it() {
+    let (dev, fs) = mk(64 * MB);
+    let empty = fs.statfs().bfree;
+    let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap();
+    let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap();
+    let c = fs.mknod(ROOT_INO, b"c", 0o644, 0, cr()).unwrap();
+    for f in [a.ino, b.ino, c.ino] {
+        fs.write(f, 0, &vec![1; MB as usize]).unwrap();
+    }
+    fs.commit().unwrap();
+    // `a` open twice, then unlinked; `b` open, then renamed over by `c`; `c` open
+    // and keeps its (new) name.
+    fs.open_ino(a.ino).unwrap();
+    fs.open_ino(a.ino).unwrap();
+    fs.open_ino(b.ino).unwrap();
+    fs.open_ino(c.ino).unwrap();
+    fs.unlink(ROOT_INO, b"a").unwrap();
+    fs.rename(ROOT_INO, b"c", ROOT_INO, b"b", RenameFlags::default())
+        .unwrap();
+    assert_eq!(fs.getattr(b.ino).unwrap().nlink, 0);
+    fs.release(a.ino).unwrap();
+    assert_eq!(
+        fs.read(a.ino, 0, 2).unwrap(),
+        vec![1; 2],
+        "freed at the first release"
+    );
+    fs.release(a.ino).unwrap();
+    fs.release(b.ino).unwrap();
+    fs.release(c.ino).unwrap();
+    for gone in [a.ino, b.ino] {
+        assert!(matches!(fs.getattr(gone), Err(Error::NotFound)));
+    }
+    assert_eq!(fs.getattr(c.ino).unwrap().nlink, 1);
+    assert_eq!(fs.lookup(ROOT_INO, b"b").unwrap().ino, c.ino);
+    fs.commit().unwrap();
+    // Only `c`'s megabyte is still in use.
+    let used = empty - fs.statfs().bfree;
+    assert!((256..256 + 64).contains(&used), "{used} blocks in use");
+    assert_eq!(check_image_after_commit(&fs, &dev), Vec::<String>::new());
+}
+
 #[test]
 fn xattrs() {
     let (dev, fs) = mk(64 * MB);
