@@ -640,7 +640,7 @@ impl FsyncQueue {
             // (or several committers set) its windows change nothing.
             if let Some(mode) = chose.filter(|_| gather) {
                 fs.count_gather_choice(match mode {
-                    Mode::Gather => Some(gather),
+                    Mode::Gather => Some(true),
                     Mode::Single => Some(false),
                     Mode::Overlap => None,
                 });
@@ -1106,6 +1106,14 @@ mod tests {
         unreachable!()
     }
 
+    /// Runs a measurement of `t` from `at` with `rates` fsyncs per window (by
+    /// [`Mode`]), checks that it chooses `want`, and runs the chosen windows.
+    fn measure_and_keep(t: &mut Tuner, at: Instant, rates: [u64; 3], want: Mode) -> Instant {
+        let (end, chose) = measure(t, at, |m| rates[m as usize]);
+        assert_eq!(chose, want, "rates {rates:?}");
+        keep(t, end, want)
+    }
+
     /// Runs the chosen windows of `t` from `at`, checking that they keep `mode`.
     fn keep(t: &mut Tuner, mut at: Instant, mode: Mode) -> Instant {
         for _ in 0..CHOSEN_WINDOWS {
@@ -1146,9 +1154,7 @@ mod tests {
             // windows are short.
             assert_eq!(t.mode(), Gather);
             assert_eq!(t.window(), if i == 0 { FIRST_WINDOW } else { WINDOW });
-            let (end, chose) = measure(&mut t, at, |m| rates[m as usize]);
-            assert_eq!(chose, want, "rates {rates:?}");
-            at = keep(&mut t, end, want);
+            at = measure_and_keep(&mut t, at, rates, want);
         }
     }
 
@@ -1161,9 +1167,7 @@ mod tests {
         assert_eq!(t.measured(), &[Gather, Single, Single, Gather]);
         // However many fsyncs an overlapping window would answer, none is run.
         for (rates, want) in [([100, 100, 500], Gather), ([100, 110, 500], Single)] {
-            let (end, chose) = measure(&mut t, at, |m| rates[m as usize]);
-            assert_eq!(chose, want, "rates {rates:?}");
-            at = keep(&mut t, end, want);
+            at = measure_and_keep(&mut t, at, rates, want);
         }
     }
 
