@@ -181,10 +181,20 @@ impl std::ops::Deref for FolioBuf {
     }
 }
 
-impl std::ops::DerefMut for FolioBuf {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, uniquely borrowed.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+impl FolioBuf {
+    /// The bytes of `range`, to change them.
+    ///
+    /// Only this range is borrowed mutably, never the whole buffer: a writeback reads
+    /// the blocks it writes straight from the buffer while other blocks of the folio
+    /// are filled (see `Folio::writeback`).
+    pub(crate) fn range_mut(&mut self, range: std::ops::Range<usize>) -> &mut [u8] {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "range {range:?} out of a folio buffer of {} bytes",
+            self.len
+        );
+        // SAFETY: within the `len` bytes owned by self, uniquely borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(range.start), range.len()) }
     }
 }
 
@@ -206,6 +216,11 @@ pub(crate) struct Folio {
     pub(crate) dirty: Bitmap,
     /// When the oldest dirty block was dirtied (for `dirty_expire`).
     pub(crate) dirty_since: Option<Instant>,
+    /// A writeback is writing blocks of this folio to the device straight from `data`
+    /// (and checksumming them there): until it ends, nothing may change those bytes,
+    /// so a writer of the folio waits (stable pages, as btrfs needs them for its
+    /// checksums). Readers go on, and fills only touch blocks that are not uptodate.
+    pub(crate) writeback: bool,
 }
 
 impl Folio {
@@ -223,6 +238,7 @@ impl Folio {
             uptodate: Bitmap::default(),
             dirty: Bitmap::default(),
             dirty_since: None,
+            writeback: false,
         }
     }
 
@@ -262,8 +278,8 @@ mod tests {
             assert_eq!(b.len(), 64 << 10);
             assert_eq!(b.as_ptr() as usize % 4096, 0, "not page aligned");
             assert!(b.iter().all(|&x| x == 0), "not zeroed");
-            b[100] = 7;
-            b[(64 << 10) - 1] = 9;
+            b.range_mut(100..101)[0] = 7;
+            b.range_mut((64 << 10) - 1..64 << 10)[0] = 9;
             let other = FolioBuf::new(64 << 10);
             assert_eq!((b[100], b[(64 << 10) - 1], other[100]), (7, 9, 0));
         }

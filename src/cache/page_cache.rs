@@ -85,6 +85,25 @@ impl CacheOptions {
 pub(crate) struct CachedFolio {
     pub(crate) folio: Mutex<Folio>,
     last_used: AtomicU64,
+    /// Signalled when a writeback of the folio ends (see [`Folio::writeback`]).
+    wb_done: Condvar,
+}
+
+impl CachedFolio {
+    /// Waits, with the folio locked (`g`), until no writeback is writing it: its bytes
+    /// may then change.
+    pub(crate) fn wait_writeback(&self, g: &mut parking_lot::MutexGuard<'_, Folio>) {
+        while g.writeback {
+            self.wb_done.wait(g);
+        }
+    }
+
+    /// Ends a writeback of the folio begun by setting [`Folio::writeback`]: its writers
+    /// go on.
+    pub(crate) fn end_writeback(&self) {
+        self.folio.lock().writeback = false;
+        self.wb_done.notify_all();
+    }
 }
 
 /// How far ahead to read for a sequential reader.
@@ -451,6 +470,7 @@ impl PageCache {
                     Arc::new(CachedFolio {
                         folio: Mutex::new(Folio::with_buffer(self.buffer(whole))),
                         last_used: AtomicU64::new(0),
+                        wb_done: Condvar::new(),
                     })
                 })
                 .clone()

@@ -73,45 +73,6 @@ impl std::ops::DerefMut for AlignedBuf {
     }
 }
 
-/// Spare buffers of one size, handed out and taken back so that hot paths (writeback
-/// runs) reuse memory the process already faulted in instead of mapping fresh pages
-/// for every run.
-pub struct BufPool {
-    size: usize,
-    max: usize,
-    spare: parking_lot::Mutex<Vec<AlignedBuf>>,
-}
-
-impl BufPool {
-    /// A pool of buffers with room for `size` bytes, keeping at most `max` spare.
-    pub fn new(size: usize, max: usize) -> BufPool {
-        BufPool {
-            size,
-            max,
-            spare: parking_lot::Mutex::new(Vec::new()),
-        }
-    }
-
-    /// An empty buffer: a spare one with room for the pool's size, else a new one that
-    /// grows as it is filled (so many small runs do not each reserve the full size).
-    pub fn take(&self) -> AlignedBuf {
-        self.spare.lock().pop().unwrap_or_default()
-    }
-
-    /// Gives a buffer back; only one whose room is exactly the pool's size is kept (one
-    /// grown by doubling to that size is), and no more than the pool's bound.
-    pub fn give(&self, mut b: AlignedBuf) {
-        if b.capacity() != self.size.next_multiple_of(4096) {
-            return;
-        }
-        b.clear();
-        let mut spare = self.spare.lock();
-        if spare.len() < self.max {
-            spare.push(b);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,36 +86,5 @@ mod tests {
         assert_eq!(b.len(), 12288);
         assert_eq!(b.as_ptr() as usize % 4096, 0);
         assert_eq!((b[5000], b[8192], b[12287]), (7, 1, 1));
-    }
-
-    #[test]
-    fn pool_reuses_memory_and_bounds_what_it_keeps() {
-        let pool = BufPool::new(64 << 10, 2);
-        let mut a = pool.take();
-        assert!(a.is_empty(), "a new buffer reserves nothing up front");
-        // Filled block by block up to the pool's size, it doubles to exactly that.
-        for _ in 0..16 {
-            a.extend_from_slice(&[3u8; 4096]);
-        }
-        assert_eq!(a.capacity(), 64 << 10);
-        let at = a.as_ptr();
-        pool.give(a);
-        let b = pool.take();
-        assert!(
-            b.is_empty() && b.capacity() == 64 << 10,
-            "a spare comes back empty"
-        );
-        assert_eq!(b.as_ptr(), at, "the same memory is handed out again");
-        // A buffer that grew is not kept (it would hold more than the pool's size).
-        let mut big = AlignedBuf::default();
-        big.extend_from_slice(&[1u8; 128 << 10]);
-        pool.give(big);
-        assert_eq!(pool.spare.lock().len(), 0);
-        // At most `max` are kept.
-        for _ in 0..3 {
-            pool.give(AlignedBuf::with_capacity(64 << 10));
-        }
-        assert_eq!(pool.spare.lock().len(), 2);
-        drop(b);
     }
 }

@@ -5,7 +5,7 @@ mod crash;
 mod file;
 mod mem;
 
-pub use aligned::{AlignedBuf, BufPool};
+pub use aligned::AlignedBuf;
 pub use crash::{CrashDev, CrashOp};
 pub use file::FileDev;
 pub use mem::{MemDev, DISCARDED};
@@ -41,6 +41,23 @@ pub fn write_zeros(dev: &dyn BlockDev, start: u64, len: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// The pieces of gathered writes (see [`BlockDev::write_gathered`]), each with the
+/// length of the write it belongs to.
+pub(crate) fn flatten<'a>(writes: &[(&[&'a [u8]], u64)]) -> (Vec<(&'a [u8], u64)>, Vec<usize>) {
+    let mut pieces = Vec::new();
+    let mut whole = Vec::new();
+    for &(segs, off) in writes {
+        let len: usize = segs.iter().map(|s| s.len()).sum();
+        let mut at = off;
+        for &s in segs {
+            pieces.push((s, at));
+            whole.push(len);
+            at += s.len() as u64;
+        }
+    }
+    (pieces, whole)
+}
+
 /// A byte-addressed device with a durability barrier.
 pub trait BlockDev: Send + Sync {
     /// Reads exactly `buf.len()` bytes at `off`.
@@ -54,6 +71,12 @@ pub trait BlockDev: Send + Sync {
             self.write_at(buf, off)?;
         }
         Ok(())
+    }
+    /// Writes each `(segments, off)`: the segments back to back from `off`, as
+    /// `write_many` writes its pieces. A device that sends large writes past its
+    /// host's cache judges each write by its whole length, not by its segments'.
+    fn write_gathered(&self, writes: &[(&[&[u8]], u64)]) -> io::Result<()> {
+        self.write_many(&flatten(writes).0)
     }
     /// Reads each `(buf, off)` pair, as `read_at` would; a device that can keep
     /// several reads in flight at once does.

@@ -877,6 +877,61 @@ impl BlockDev for Gated {
     }
 }
 
+/// A writer of a folio being written back waits until the device has it (stable
+/// pages): writeback writes and checksums the folio's own bytes, which must not change
+/// under it. The writer's bytes are then the file's, and written back in turn.
+#[test]
+fn a_writer_of_a_folio_under_writeback_waits_for_the_device() {
+    let o = Options {
+        commit_interval: Duration::ZERO,
+        ..opts(64 * MB, 64 << 10, true)
+    };
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let a = file(&fs, b"a");
+    let mut want = pattern(256 << 10, 1);
+    fs.write(a, 0, &want).unwrap();
+    fs.unmount().unwrap();
+    let gated = Arc::new(Gated::new(MemDev::from_image(dev.image())));
+    let fs = Arc::new(Fs::open(gated.clone(), o.clone()).unwrap());
+    fs.write(a, 0, &pattern(BS as usize, 2)).unwrap();
+
+    gated.set_closed(true);
+    let syncer = {
+        let fs = fs.clone();
+        std::thread::spawn(move || fs.fsync(a, false))
+    };
+    assert!(gated.until_a_write_waits(), "the fsync never wrote");
+    // Blocks 0 (being written back) and 1 (clean) of the same folio.
+    let second = pattern(2 * BS as usize, 3);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let writer = {
+        let (fs, second) = (fs.clone(), second.clone());
+        std::thread::spawn(move || {
+            let r = fs.write(a, 0, &second);
+            let _ = tx.send(());
+            r
+        })
+    };
+    let early = rx.recv_timeout(Duration::from_millis(500));
+    gated.set_closed(false);
+    assert!(
+        early.is_err(),
+        "a write changed a folio while it was written back"
+    );
+    assert!(
+        rx.recv_timeout(Duration::from_secs(30)).is_ok(),
+        "the write did not go on once the writeback ended"
+    );
+    writer.join().unwrap().unwrap();
+    syncer.join().unwrap().unwrap();
+    want[..2 * BS as usize].copy_from_slice(&second);
+    assert!(fs.read(a, 0, 256 << 10).unwrap() == want);
+    let fs = Arc::try_unwrap(fs).ok().unwrap();
+    fs.unmount().unwrap();
+    let fs = Fs::open(Arc::new(MemDev::from_image(gated.dev.image())), o).unwrap();
+    assert!(fs.read(a, 0, 256 << 10).unwrap() == want);
+}
+
 /// While a writeback waits for the device, readers of the folio being written back,
 /// of other folios of its file (cached or not) and of other files go on, and so does
 /// a writer of another folio: writeback does its I/O holding no lock they need.

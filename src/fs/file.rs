@@ -968,14 +968,15 @@ pub(crate) fn write_extents(
     space: &[Piece],
     buf: &[u8],
 ) -> Result<Vec<Vec<u8>>> {
-    let mut all = write_runs_to(dev, stats, &[(space, buf)])?;
+    let mut all = write_runs_to(dev, stats, &[(space, &[buf])])?;
     Ok(all.pop().unwrap_or_default())
 }
 
-/// A run to write: the pieces that hold it, and its bytes.
-pub(crate) type RunToWrite<'a> = (&'a [Piece], &'a [u8]);
+/// A run to write: the pieces that hold it, and its bytes (in segments, one after
+/// another; each a whole number of blocks).
+pub(crate) type RunToWrite<'a> = (&'a [Piece], &'a [&'a [u8]]);
 
-/// Writes each `(space, buf)` run as [`write_extents`] does, with every piece's
+/// Writes each `(space, segments)` run as [`write_extents`] does, with every piece's
 /// write of every run handed to the device at once (so it may keep them all in
 /// flight); returns the checksums per run, per piece.
 pub(crate) fn write_runs_to(
@@ -983,26 +984,49 @@ pub(crate) fn write_runs_to(
     stats: &Stats,
     runs: &[RunToWrite],
 ) -> Result<Vec<Vec<Vec<u8>>>> {
-    let mut writes: Vec<(&[u8], u64)> = Vec::new();
-    for &(space, buf) in runs {
-        let mut pos = 0usize;
+    // Each piece of space gets the segments' bytes that fall in it: a write gathered
+    // from them, and its blocks to checksum.
+    let mut pieces: Vec<Vec<&[u8]>> = Vec::new();
+    for &(space, segs) in runs {
+        let mut segs = segs.iter().copied().filter(|s| !s.is_empty());
+        let mut rest: &[u8] = &[];
         for p in space {
-            writes.push((&buf[pos..pos + p.len as usize], p.addr));
-            pos += p.len as usize;
+            let mut want = p.len as usize;
+            let mut parts = Vec::new();
+            while want > 0 {
+                if rest.is_empty() {
+                    rest = segs
+                        .next()
+                        .ok_or(Error::Invalid("a run is shorter than its space"))?;
+                }
+                let n = want.min(rest.len());
+                parts.push(&rest[..n]);
+                rest = &rest[n..];
+                want -= n;
+            }
+            pieces.push(parts);
+        }
+        if !rest.is_empty() || segs.next().is_some() {
+            return Err(Error::Invalid("a run is longer than its space"));
         }
     }
-    dev.write_many(&writes)?;
-    let mut w = writes.iter();
+    let addrs = runs
+        .iter()
+        .flat_map(|(space, _)| space.iter().map(|p| p.addr));
+    let writes: Vec<(&[&[u8]], u64)> = pieces.iter().map(|p| &p[..]).zip(addrs).collect();
+    dev.write_gathered(&writes)?;
+    let mut w = pieces.iter();
     let sums = runs
         .iter()
         .map(|(space, _)| {
             space
                 .iter()
                 .zip(&mut w)
-                .map(|(_, (chunk, _))| {
-                    Stats::add(&stats.dev_data_bytes, chunk.len() as u64);
-                    chunk
-                        .chunks(BS as usize)
+                .map(|(p, parts)| {
+                    Stats::add(&stats.dev_data_bytes, p.len);
+                    parts
+                        .iter()
+                        .flat_map(|part| part.chunks(BS as usize))
                         .flat_map(|b| csum(b).to_le_bytes())
                         .collect()
                 })
@@ -1186,5 +1210,75 @@ impl ReadPlan {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dev::MemDev;
+
+    /// Bytes `k * 7 + seed` (mod 251): different in every block.
+    fn bytes(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|k| ((k * 7 + seed as usize) % 251) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn a_run_in_segments_lands_in_its_pieces_with_each_blocks_checksum() {
+        let dev = MemDev::new(1 << 20);
+        let stats = Stats::default();
+        let b = BS as usize;
+        // Segments of 2, 4 and 1 blocks into pieces of 3 and 4 blocks: the first
+        // piece ends inside the second segment.
+        let segs = [bytes(2 * b, 1), bytes(4 * b, 2), bytes(b, 3)];
+        let seg_refs: Vec<&[u8]> = segs.iter().map(|s| &s[..]).collect();
+        let space = [Piece::new(64 * BS, 3 * BS), Piece::new(16 * BS, 4 * BS)];
+        let other = bytes(2 * b, 4);
+        let runs: [RunToWrite; 2] = [
+            (&space, &seg_refs),
+            (&[Piece::new(100 * BS, 2 * BS)], &[&other[..]]),
+        ];
+        let sums = write_runs_to(&dev, &stats, &runs).unwrap();
+        let all: Vec<u8> = segs.concat();
+        let mut got = vec![0u8; 3 * b];
+        dev.read_at(&mut got, 64 * BS).unwrap();
+        assert!(got == all[..3 * b], "first piece");
+        let mut got = vec![0u8; 4 * b];
+        dev.read_at(&mut got, 16 * BS).unwrap();
+        assert!(got == all[3 * b..], "second piece");
+        let mut got = vec![0u8; 2 * b];
+        dev.read_at(&mut got, 100 * BS).unwrap();
+        assert!(got == other, "second run");
+        let want =
+            |d: &[u8]| -> Vec<u8> { d.chunks(b).flat_map(|c| csum(c).to_le_bytes()).collect() };
+        assert_eq!(sums.len(), 2);
+        assert_eq!(sums[0], vec![want(&all[..3 * b]), want(&all[3 * b..])]);
+        assert_eq!(sums[1], vec![want(&other)]);
+        assert_eq!(
+            stats
+                .dev_data_bytes
+                .load(std::sync::atomic::Ordering::Relaxed),
+            9 * BS
+        );
+    }
+
+    #[test]
+    fn a_run_that_does_not_fill_its_space_exactly_is_refused_unwritten() {
+        let dev = MemDev::new(1 << 20);
+        let stats = Stats::default();
+        let data = bytes(2 * BS as usize, 5);
+        for space in [
+            vec![Piece::new(0, 3 * BS)],
+            vec![Piece::new(0, BS)],
+            vec![Piece::new(0, BS), Piece::new(8 * BS, 2 * BS)],
+        ] {
+            let runs: [RunToWrite; 1] = [(&space, &[&data[..]])];
+            assert!(write_runs_to(&dev, &stats, &runs).is_err(), "{space:?}");
+        }
+        let mut got = vec![1u8; 16 * BS as usize];
+        dev.read_at(&mut got, 0).unwrap();
+        assert!(got.iter().all(|&x| x == 0), "something was written");
     }
 }

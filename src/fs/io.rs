@@ -52,12 +52,51 @@ const COPY_MAX: u64 = 64 << 20;
 /// Byte chunk of such a copy.
 const COPY_CHUNK: u64 = 1 << 20;
 
-/// Contiguous dirty blocks taken from the cache, with where they came from.
+/// Contiguous dirty blocks taken from the cache, with where they came from. They are
+/// written from the folios' own buffers, under writeback (see [`InWriteback`]).
 struct DirtyRun {
     off: u64,
-    buf: crate::dev::AlignedBuf,
+    /// Bytes in the run.
+    len: u64,
     /// (folio, its index, first block, end block)
     parts: Vec<(Arc<CachedFolio>, u64, usize, usize)>,
+}
+
+/// Folios a writeback writes from: their [`crate::cache::Folio::writeback`] is set,
+/// and dropping this ends it, whether the writes succeeded or not.
+struct InWriteback(Vec<Arc<CachedFolio>>);
+
+impl Drop for InWriteback {
+    fn drop(&mut self) {
+        for f in self.0.drain(..) {
+            f.end_writeback();
+        }
+    }
+}
+
+impl DirtyRun {
+    /// The run's bytes, a segment per part.
+    ///
+    /// SAFETY: each part's folio must be under writeback by the caller, which keeps
+    /// the bytes of its dirty blocks from changing or going away until the writeback
+    /// ends, and the slices must not be used after that.
+    unsafe fn segments(&self) -> Vec<&[u8]> {
+        self.parts
+            .iter()
+            .map(|(f, _, a, b)| {
+                let g = f.folio.lock();
+                debug_assert!(g.writeback, "a run's folio is not under writeback");
+                let (s, e) = (*a * BS as usize, *b * BS as usize);
+                let ptr = g.data[s..e].as_ptr();
+                // SAFETY: the folio's buffer lives as long as the `Arc` the run holds
+                // (a folio is recycled only when unshared), and while it is under
+                // writeback no one writes these blocks (writers wait; fills touch only
+                // blocks that are not uptodate; truncates and hole punches hold the
+                // writeback lock); the caller keeps it so.
+                unsafe { std::slice::from_raw_parts(ptr, e - s) }
+            })
+            .collect()
+    }
 }
 
 /// Blocks of one folio a read must fetch from the device: `[a, b)`.
@@ -261,11 +300,15 @@ impl Fs {
             }
         }
         let mut g = f.folio.lock();
+        // The bytes of a folio being written back stay as they are until it ends.
+        f.wait_writeback(&mut g);
         for (x, buf) in fetched {
             for (n, block) in buf.chunks(BS as usize).enumerate() {
                 let k = x + n;
                 if !g.uptodate.get(k) {
-                    g.data[k * BS as usize..(k + 1) * BS as usize].copy_from_slice(block);
+                    g.data
+                        .range_mut(k * BS as usize..(k + 1) * BS as usize)
+                        .copy_from_slice(block);
                     g.uptodate.set_range(k, k + 1);
                 }
             }
@@ -274,11 +317,15 @@ impl Fs {
         // the end of the file: zeros plus what is copied below.
         for k in da..db {
             if !g.uptodate.get(k) && !covered(k) {
-                g.data[k * BS as usize..(k + 1) * BS as usize].fill(0);
+                g.data
+                    .range_mut(k * BS as usize..(k + 1) * BS as usize)
+                    .fill(0);
             }
         }
         let s = (pos - fstart) as usize;
-        g.data[s..s + (wend - pos) as usize].copy_from_slice(&data[..(wend - pos) as usize]);
+        g.data
+            .range_mut(s..s + (wend - pos) as usize)
+            .copy_from_slice(&data[..(wend - pos) as usize]);
         g.uptodate.set_range(da, db);
         let newly = g.mark_dirty(da, db);
         drop(g);
@@ -548,7 +595,7 @@ impl Fs {
                     .zip(guards.iter_mut())
                     .map(|(m, g)| {
                         let (a, b) = (m.a * BS as usize, m.b * BS as usize);
-                        ((m.off - r.0) as usize, &mut g.data[a..b])
+                        ((m.off - r.0) as usize, g.data.range_mut(a..b))
                     })
                     .collect();
                 if let Some(read) = plan.read_direct(self.dev.as_ref(), &mut bufs)? {
@@ -579,7 +626,8 @@ impl Fs {
                     }
                     let mut g = m.folio.folio.lock();
                     let fo = (m.a as u64 * BS + cs - m.off) as usize;
-                    g.data[fo..fo + (ce - cs) as usize]
+                    g.data
+                        .range_mut(fo..fo + (ce - cs) as usize)
                         .copy_from_slice(&bytes[(cs - s) as usize..(ce - s) as usize]);
                 }
                 Stats::add(&self.stats.dev_read_bytes, bytes.len() as u64);
@@ -601,7 +649,9 @@ impl Fs {
         let me = m.off + (m.b - m.a) as u64 * BS;
         let base = m.off - m.a as u64 * BS;
         for (hs, he) in gaps(filled, m.off, me) {
-            g.data[(hs - base) as usize..(he - base) as usize].fill(0);
+            g.data
+                .range_mut((hs - base) as usize..(he - base) as usize)
+                .fill(0);
         }
         g.uptodate.set_range(m.a, m.b);
     }
@@ -729,35 +779,36 @@ impl Fs {
             if folios.is_empty() {
                 break;
             }
+            let mut busy = InWriteback(Vec::with_capacity(folios.len()));
             for (idx, f) in folios {
                 let mut g = f.folio.lock();
                 let dirty = g.dirty.runs(nb);
                 if dirty.is_empty() {
                     continue;
                 }
+                // One writeback of an inode at a time (the writeback lock).
+                debug_assert!(
+                    !g.writeback,
+                    "folio {idx} of inode {ino} written back twice"
+                );
+                g.writeback = true;
+                busy.0.push(f.clone());
                 for &(a, b) in &dirty {
                     let off = idx * fsz + a as u64 * BS;
-                    let bytes = &g.data[a * BS as usize..b * BS as usize];
+                    let len = (b - a) as u64 * BS;
                     match runs.last_mut() {
-                        // A run is at most one extent long, so its buffer stays small.
-                        Some(r)
-                            if r.off + r.buf.len() as u64 == off
-                                && r.buf.len() + bytes.len() <= MAX_EXTENT_SIZE as usize =>
-                        {
-                            r.buf.extend_from_slice(bytes);
+                        // A run is at most one extent long.
+                        Some(r) if r.off + r.len == off && r.len + len <= MAX_EXTENT_SIZE => {
+                            r.len += len;
                             r.parts.push((f.clone(), idx, a, b));
                         }
                         _ => runs.push(DirtyRun {
                             off,
-                            buf: {
-                                let mut b = self.run_bufs.take();
-                                b.extend_from_slice(bytes);
-                                b
-                            },
+                            len,
                             parts: vec![(f.clone(), idx, a, b)],
                         }),
                     }
-                    taken += bytes.len() as u64;
+                    taken += len;
                 }
                 let n = g.dirty.count();
                 g.clear_dirty(0, nb);
@@ -777,6 +828,7 @@ impl Fs {
                 }
                 return Err(e);
             }
+            drop(busy);
             // Folios this writeback wrote whole (a streaming writer's) may drop behind.
             let mut whole = Vec::new();
             for r in runs {
@@ -785,7 +837,6 @@ impl Fs {
                         whole.push((idx, PageCache::last_used(&f)));
                     }
                 }
-                self.run_bufs.give(r.buf);
             }
             cache.drop_behind(ino, &whole);
             done += taken;
@@ -804,7 +855,7 @@ impl Fs {
         let (spaces, filled) = self.with_space(|i| {
             let mut v: Vec<Vec<super::file::Piece>> = Vec::new();
             for r in runs {
-                match i.space_for_run(ino, r.off, r.buf.len() as u64) {
+                match i.space_for_run(ino, r.off, r.len) {
                     Ok(s) => v.push(s),
                     Err(e) => {
                         for s in &v {
@@ -825,10 +876,13 @@ impl Fs {
             }
             Ok((v, filled))
         })?;
-        let batch: Vec<super::file::RunToWrite> = runs
+        // SAFETY: the runs' folios are under writeback until the caller's
+        // `InWriteback` drops, after this returns.
+        let segs: Vec<Vec<&[u8]>> = runs.iter().map(|r| unsafe { r.segments() }).collect();
+        let batch: Vec<super::file::RunToWrite> = spaces
             .iter()
-            .zip(&spaces)
-            .map(|(r, s)| (s.as_slice(), &r.buf[..]))
+            .zip(&segs)
+            .map(|(s, g)| (s.as_slice(), &g[..]))
             .collect();
         let written = super::file::write_runs_to(self.dev.as_ref(), &self.stats, &batch);
         if filled > 0 {

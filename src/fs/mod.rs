@@ -260,8 +260,6 @@ pub struct Fs {
     /// Whether a readahead thread serves `ra_queue` (else readers fetch the next
     /// window themselves).
     ra_thread: std::sync::atomic::AtomicBool,
-    /// Buffers for writeback runs (one extent each), reused from run to run.
-    run_bufs: crate::dev::BufPool,
     /// Changes users asked for so far (see [`Fs::changes`]).
     changes: std::sync::atomic::AtomicU64,
     /// Tests: runs inside a write under way, before its copy into the cache (with
@@ -272,9 +270,6 @@ pub struct Fs {
 
 /// Shards of the per-file lock table.
 const FILE_LOCK_SHARDS: usize = 64;
-
-/// Writeback run buffers kept for reuse: two writebacks' worth of extents.
-const RUN_BUFS_KEPT: usize = 16;
 
 /// Dirty tree nodes that trigger a commit at the end of an operation.
 const DIRTY_COMMIT_NODES: usize = 8192;
@@ -361,10 +356,6 @@ impl Fs {
             ra_queue: Mutex::new(Default::default()),
             ra_wake: parking_lot::Condvar::new(),
             ra_thread: std::sync::atomic::AtomicBool::new(false),
-            run_bufs: crate::dev::BufPool::new(
-                crate::format::MAX_EXTENT_SIZE as usize,
-                RUN_BUFS_KEPT,
-            ),
             changes: std::sync::atomic::AtomicU64::new(0),
             #[cfg(test)]
             write_hook: Mutex::new(None),
