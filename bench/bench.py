@@ -24,7 +24,7 @@ Compares birchfs with the kernel filesystems on the same disk and the same layer
   fuse-null     examples/nullfs.rs: a FUSE filesystem that stores         none
                 nothing (fsync returns at once), mounted as birchfs is:
                 the most any filesystem served through /dev/fuse can reach
-                here (the FUSE ceiling; W1, W3, W4 only)
+                here (the FUSE ceiling; W1, W3, W4 and W5 writes)
   fuse-null-flush the same, each fsync also writing a 4 KiB block of a    none
                 file beside the image and flushing it (one host fdatasync
                 per fsync, no group commit: what a kernel filesystem pays)
@@ -159,11 +159,17 @@ KERNEL = ["btrfs", "ext4", "ext4-fc", "xfs"]
 BIRCH = ["birchfs-loop", "birchfs-file", "birchfs-folio", "birchfs-sparse", "birchfs-uring"]
 # Targets that can take snapshots (the W2-snap variant runs on these only).
 SNAPSHOT_TARGETS = ["btrfs", "birchfs-loop", "birchfs-file"]
-# Targets that run only for some workloads.
+# Targets that run only for some workloads (or variants, by id).
 ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-sparse": {"W3"},
             "birchfs-uring": {"W1", "W3", "W4", "W5"},
-            # It keeps no data, so nothing survives W5's remount.
-            "fuse-null": {"W1", "W3", "W4"}, "fuse-null-flush": {"W1", "W3", "W4"}}
+            # It keeps no data, so nothing survives W5's remount for W5-read; W5-write
+            # shows what the kernel's cached FUSE writes allow.
+            "fuse-null": {"W1", "W3", "W4", "W5-write"}, "fuse-null-flush": {"W1", "W3", "W4"}}
+
+
+def runs_on(t, v):
+    """Whether target `t` runs variant `v` (see ONLY_FOR)."""
+    return t not in ONLY_FOR or v["workload"] in ONLY_FOR[t] or v["id"] in ONLY_FOR[t]
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -1573,7 +1579,7 @@ def merge_into(old, res, vs, reason):
     have = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if r.get("ok") or r.get("skipped")}
     # A variant with targets of its own (W2 with snapshots) runs on those only.
     want = {(v["id"], rep, t) for v in old["variants"] for rep in range(1, old["profile"]["reps"] + 1)
-            for t in old["targets"] if (t not in ONLY_FOR or v["workload"] in ONLY_FOR[t])
+            for t in old["targets"] if runs_on(t, v)
             and t in v.get("targets", old["targets"])}
     failed_ok = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if "error" in r}
     old["complete"] = res["complete"] and want <= (have | failed_ok)
@@ -1667,7 +1673,7 @@ def main():
         res["machine"] = machine_facts(work)
         res["machine"]["binaries"] = bins
         total = prof["reps"] * sum(1 for v in vs for t in targets
-                                   if (t not in ONLY_FOR or v["workload"] in ONLY_FOR[t])
+                                   if runs_on(t, v)
                                    and ("targets" not in v or t in v["targets"]))
         log(f"profile {a.profile}: {len(vs)} variants x {prof['reps']} reps x {len(targets)} targets = {total} runs")
         i = 0
@@ -1680,7 +1686,7 @@ def main():
         rounds = [(v, rep) for g in groups for rep in range(1, prof["reps"] + 1) for v in g]
         for v, rep in rounds:
             for tname in targets:
-                if tname in ONLY_FOR and v["workload"] not in ONLY_FOR[tname]:
+                if not runs_on(tname, v):
                     continue
                 if "targets" in v and tname not in v["targets"]:
                     continue
