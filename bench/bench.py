@@ -168,8 +168,13 @@ ONLY_FOR = {"birchfs-folio": {"W3"}, "birchfs-sparse": {"W3"},
 
 
 def runs_on(t, v):
-    """Whether target `t` runs variant `v` (see ONLY_FOR)."""
-    return t not in ONLY_FOR or v["workload"] in ONLY_FOR[t] or v["id"] in ONLY_FOR[t]
+    """Whether target `t` runs variant `v`: see ONLY_FOR, and a variant with targets
+    of its own (W2 with snapshots) runs on those only."""
+    only = ONLY_FOR.get(t)
+    return ((only is None or v["workload"] in only or v["id"] in only)
+            and t in v.get("targets", [t]))
+
+
 LABELS = {
     "btrfs": "btrfs -o ssd",
     "ext4": "ext4",
@@ -1577,10 +1582,8 @@ def merge_into(old, res, vs, reason):
         "wall_s": res["wall_s"], "complete": res["complete"], "machine": res["machine"]})
     # Complete when every variant x repetition x target has a finished (or skipped) run.
     have = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if r.get("ok") or r.get("skipped")}
-    # A variant with targets of its own (W2 with snapshots) runs on those only.
     want = {(v["id"], rep, t) for v in old["variants"] for rep in range(1, old["profile"]["reps"] + 1)
-            for t in old["targets"] if runs_on(t, v)
-            and t in v.get("targets", old["targets"])}
+            for t in old["targets"] if runs_on(t, v)}
     failed_ok = {(r["variant"], r["rep"], r["target"]) for r in old["runs"] if "error" in r}
     old["complete"] = res["complete"] and want <= (have | failed_ok)
     # An interrupted base run has no wall time of its own: use the sum of its runs.
@@ -1672,9 +1675,7 @@ def main():
         build_passthrough(work)
         res["machine"] = machine_facts(work)
         res["machine"]["binaries"] = bins
-        total = prof["reps"] * sum(1 for v in vs for t in targets
-                                   if runs_on(t, v)
-                                   and ("targets" not in v or t in v["targets"]))
+        total = prof["reps"] * sum(1 for v in vs for t in targets if runs_on(t, v))
         log(f"profile {a.profile}: {len(vs)} variants x {prof['reps']} reps x {len(targets)} targets = {total} runs")
         i = 0
         groups = []
@@ -1687,8 +1688,6 @@ def main():
         for v, rep in rounds:
             for tname in targets:
                 if not runs_on(tname, v):
-                    continue
-                if "targets" in v and tname not in v["targets"]:
                     continue
                 i += 1
                 tgt = Target(tname, work, prof["image_size"])

@@ -249,7 +249,7 @@ impl FileDev {
         let min = direct_min(writes.iter().map(|&(b, off)| (b, off)), self.batch_direct);
         let mut batch: Vec<(&[u8], u64)> = Vec::with_capacity(writes.len().min(RING_ENTRIES));
         for (&(buf, off), &len) in writes.iter().zip(whole) {
-            if len.max(buf.len()) >= min && direct_ok(buf, off) {
+            if len >= min && direct_ok(buf, off) {
                 batch.push((buf, off));
             } else {
                 self.write_at(buf, off)?;
