@@ -18,19 +18,15 @@
 //! - always, when the kernel cannot flush a writer's cached pages before a direct
 //!   read (it did not agree to `FUSE_DIRECT_IO_ALLOW_MMAP` at INIT).
 //!
-//! A read-only open while others are open takes their kind. A writer always uses the
-//! kernel's cache, so the kernel keeps the file's mtime as it writes (with the
-//! writeback cache on, it does not change the mtime for writes past its cache). With
-//! `FUSE_DIRECT_IO_ALLOW_MMAP` the kernel writes back a range's dirty cached pages
-//! (a shared mapping's too) before a direct read of it, and on close a handle's. One
-//! case is left: a writer that extends the file in the kernel's cache with a gap
-//! before its new data, where a direct read of the gap would end at the size birchfs
-//! knows. So a direct read that reaches past that size while a writer is open first
-//! has the kernel write back its pages from there on (see `FuseFs::read`); where
-//! that cannot be done (no notifier), a writer opened beside a direct reader reads and
-//! writes past the kernel's cache too, as before. An entry goes when the kernel
-//! forgets the inode, or when its last handle closes and it is small or nothing is
-//! known of it.
+//! An inode's open handles are all direct or all cached: an open while others are
+//! open takes their kind, a writer's too. Mixed, a cached writer could extend the file
+//! in the kernel's cache with a gap before its new data, and a direct read of the gap
+//! would end at the size birchfs knows (the kernel writes back only the dirty pages of
+//! the range a direct read asks for). Otherwise correctness does not rest on this
+//! bookkeeping: with `FUSE_DIRECT_IO_ALLOW_MMAP` the kernel writes back a range's
+//! dirty cached pages (a shared mapping's too) before a direct read of it, and on
+//! close a handle's. An entry goes when the kernel forgets the inode, or when its
+//! last handle closes and it is small or nothing is known of it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -106,9 +102,6 @@ pub(crate) struct DirectReads {
     min_size: Option<u64>,
     /// Set at INIT when the kernel agreed to `FUSE_DIRECT_IO_ALLOW_MMAP`.
     agreed: AtomicBool,
-    /// Set once a direct read can have the kernel write back a writer's cached pages
-    /// (the session's notifier is there): writers then keep the kernel's cache.
-    writers_cached: AtomicBool,
     files: Mutex<HashMap<u64, Entry>>,
 }
 
@@ -125,11 +118,6 @@ impl DirectReads {
     /// Records whether the kernel agreed to keep direct reads coherent.
     pub(crate) fn set_agreed(&self, on: bool) {
         self.agreed.store(on, Ordering::SeqCst);
-    }
-
-    /// Records that a direct read can have the kernel write back a writer's pages.
-    pub(crate) fn set_writers_cached(&self, on: bool) {
-        self.writers_cached.store(on, Ordering::SeqCst);
     }
 
     /// Whether direct reads are configured (the kernel's agreement aside).
@@ -154,9 +142,7 @@ impl DirectReads {
         let mut files = self.files.lock();
         let e = files.entry(ino).or_insert_with(Entry::new);
         e.large |= size >= min;
-        let direct = if caches && self.writers_cached.load(Ordering::SeqCst) {
-            false
-        } else if e.direct > 0 && e.cached == 0 {
+        let direct = if e.direct > 0 {
             true
         } else if e.cached > 0 || caches {
             false
@@ -369,11 +355,10 @@ mod tests {
     }
 
     #[test]
-    fn without_a_notifier_open_handles_are_all_direct_or_all_cached() {
+    fn open_handles_are_all_direct_or_all_cached() {
         let d = on();
-        // A writer opened while a direct reader is open is direct too (nothing could
-        // have the kernel write back a cached writer's pages before a direct read);
-        // afterwards the file is the kernel's to cache.
+        // A writer opened while a direct reader is open is direct too; afterwards
+        // the file is the kernel's to cache.
         let r = d.open(1, RO, 100 * MB);
         assert_eq!(r, DIRECT_FH);
         let w = d.open(1, libc::O_RDWR, 100 * MB);
@@ -398,32 +383,6 @@ mod tests {
         d.created(3);
         assert!(!once(&d, 3, RO, 100 * MB));
         d.release(3, 0);
-    }
-
-    #[test]
-    fn with_a_notifier_a_writer_beside_direct_readers_keeps_the_kernel_cache() {
-        let d = on();
-        d.set_writers_cached(true);
-        let r = d.open(1, RO, 100 * MB);
-        assert_eq!(r, DIRECT_FH);
-        let w = d.open(1, libc::O_WRONLY, 100 * MB);
-        assert_eq!(w, 0, "the writer is cached");
-        assert_eq!(d.open_direct(), 1);
-        assert!(
-            !once(&d, 1, RO, 100 * MB),
-            "a reader beside a cached writer is cached"
-        );
-        d.release(1, w);
-        assert!(
-            once(&d, 1, RO, 100 * MB),
-            "with the writer gone, a reader takes the direct reader's kind"
-        );
-        d.release(1, r);
-        assert!(
-            !once(&d, 1, RO, 100 * MB),
-            "afterwards the kernel caches it"
-        );
-        assert_eq!(d.open_direct(), 0);
     }
 
     #[test]

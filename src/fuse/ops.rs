@@ -247,7 +247,6 @@ impl FuseFs {
     /// changes it did not ask for (set-id bits cleared by a write).
     pub fn set_notifier(&self, n: fuser::Notifier) {
         let _ = self.notifier.set(n);
-        self.direct.set_writers_cached(true);
     }
 
     /// Lets read-only opens of files of at least `min_size` bytes read past the
@@ -916,14 +915,6 @@ impl FuseFs {
     }
 
     /// Reads for handle `fh` (see [`FuseFs::open`]).
-    ///
-    /// A direct read that reaches past the end birchfs knows while a handle of the
-    /// file is open for writing may be reading a gap that a writer made in the
-    /// kernel's cache by writing further on; the kernel writes back only the dirty
-    /// pages of the range read, so the read would end early. Then the kernel is first
-    /// told to drop its cache of the file from that end on, which writes those pages
-    /// back, and the read is answered after that, from a thread of its own (the
-    /// request threads serve the WRITEs meanwhile), as [`FuseFs::lseek`] does.
     pub(crate) fn read(
         &self,
         nodeid: u64,
@@ -932,50 +923,13 @@ impl FuseFs {
         size: u32,
         reply: impl AnswerData,
     ) {
-        let ino = to_ino(nodeid);
-        if fh == DIRECT_FH && !self.writers.none_within(ino, Duration::ZERO) {
-            let end = self.fs.getattr(ino).map(|a| a.size).unwrap_or(u64::MAX);
-            if let Some(n) = self
-                .notifier
-                .get()
-                .filter(|_| offset.saturating_add(u64::from(size)) > end)
-            {
-                let (n, fs, direct) = (n.clone(), self.fs.clone(), self.direct.clone());
-                let from = i64::try_from(end).unwrap_or(i64::MAX);
-                let spawned = std::thread::Builder::new()
-                    .name("read".into())
-                    .spawn(move || {
-                        match n.inval_inode(to_fuse(ino), from, 0) {
-                            Ok(()) => {}
-                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-                            Err(e) => tracing::warn!(
-                                "a direct read of inode {ino} past its end could not have the \
-                             kernel write back its pages: {e}"
-                            ),
-                        }
-                        let mut b = Vec::new();
-                        match fs.read_into(ino, offset, size, &mut b) {
-                            Ok(()) => {
-                                direct.read(ino, fh, offset, b.len() as u64);
-                                fs.count_direct_read(b.len() as u64);
-                                reply.data(&b)
-                            }
-                            Err(e) => reply.error(errno(&e)),
-                        }
-                    });
-                if let Err(e) = spawned {
-                    // The reply went down with the closure; the kernel sees EIO.
-                    tracing::warn!("a direct read of inode {ino}: no thread for it: {e}");
-                }
-                return;
-            }
-        }
         thread_local! {
             /// Each request thread's reply buffer, kept across reads.
             static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         BUF.with(|b| {
             let mut b = b.borrow_mut();
+            let ino = to_ino(nodeid);
             match self.fs.read_into(ino, offset, size, &mut b) {
                 Ok(()) => {
                     if fh == DIRECT_FH {
