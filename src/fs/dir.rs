@@ -87,6 +87,39 @@ impl Inner {
             .ok_or_else(|| Error::corrupt("inode", dir, "directory without a parent"))
     }
 
+    /// Up to `max` names of `ino`, as (parent, name), from its back-references.
+    pub(crate) fn names_of(&mut self, ino: u64, max: usize) -> Result<Vec<(u64, Vec<u8>)>> {
+        let (t, local) = split(ino);
+        let bad = || Error::corrupt("inode ref", ino, "malformed");
+        let mut out = Vec::new();
+        let refs = self.store.range(
+            t,
+            &Key::new(local, kind::INODE_REF, 0),
+            &Key::new(local, kind::INODE_REF + 1, 0),
+            max,
+        )?;
+        for (k, v) in refs {
+            for r in decode_inode_refs(&v).ok_or_else(bad)? {
+                out.push((join(t, k.offset), r.name));
+            }
+        }
+        if out.len() < max {
+            let ext = self.store.range(
+                t,
+                &Key::new(local, kind::INODE_EXTREF, 0),
+                &Key::new(local, kind::INODE_EXTREF + 1, 0),
+                max - out.len(),
+            )?;
+            for (_, v) in ext {
+                for r in decode_inode_extrefs(&v).ok_or_else(bad)? {
+                    out.push((join(t, r.parent), r.name));
+                }
+            }
+        }
+        out.truncate(max);
+        Ok(out)
+    }
+
     /// Applies `f` to an inode item and writes it back.
     fn update_inode(&mut self, ino: u64, f: impl FnOnce(&mut InodeItem)) -> Result<InodeItem> {
         let mut i = self.get_inode(ino)?;

@@ -863,6 +863,11 @@ impl Fs {
         self.with(|i| i.lookup(parent, name))
     }
 
+    /// Up to `max` names of `ino`, each as its parent directory and name.
+    pub fn names_of(&self, ino: u64, max: usize) -> Result<Vec<(u64, Vec<u8>)>> {
+        self.with(|i| i.names_of(ino, max))
+    }
+
     /// Same as [`Fs::lookup`] (kept for callers that name the intent).
     pub fn lookup_nopin(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         self.with(|i| i.lookup(parent, name))

@@ -895,6 +895,10 @@ fn one_directory_takes_hundreds_of_long_links_to_one_file() {
     fs.fsync(f, false).unwrap();
     assert_ne!(on_disk(&dev), 0, "the fsync committed the flag");
     assert_eq!(fs.getattr(f).unwrap().nlink as usize, N + 1);
+    let names = fs.names_of(f, 10_000).unwrap();
+    assert_eq!(names.len(), N + 1, "names in refs and extended refs");
+    assert!(names.contains(&(d, name(N - 1))) && names.contains(&(ROOT_INO, b"f".to_vec())));
+    assert_eq!(fs.names_of(f, 30).unwrap().len(), 30);
     // Unlink names of both kinds; move one of each elsewhere and one in.
     for i in (0..N).step_by(7) {
         fs.unlink(d, &name(i)).unwrap();

@@ -19,7 +19,9 @@
 //!   read (it did not agree to `FUSE_DIRECT_IO_ALLOW_MMAP` at INIT).
 //!
 //! An inode's open handles are all direct or all cached: an open while others are
-//! open takes their kind, a writer's too. Mixed, a cached writer could extend the file
+//! open takes their kind, a writer's too. (The kernel does not move the mtime for a
+//! direct writer's writes, so when such a file's last handle closes, the daemon has
+//! the kernel drop the inode, whose next lookup then takes birchfs's mtime.) Mixed, a cached writer could extend the file
 //! in the kernel's cache with a gap before its new data, and a direct read of the gap
 //! would end at the size birchfs knows (the kernel writes back only the dirty pages of
 //! the range a direct read asks for). Otherwise correctness does not rest on this
@@ -81,6 +83,9 @@ struct Entry {
     /// forgotten when their last handle closes (the kernel wrote back what it held
     /// of them on close), so that the map does not grow with every file written.
     large: bool,
+    /// A handle open for writing wrote past the kernel's cache since the file's
+    /// handles were last all closed.
+    direct_writer: bool,
 }
 
 impl Entry {
@@ -91,6 +96,7 @@ impl Entry {
             direct: 0,
             cached: 0,
             large: false,
+            direct_writer: false,
         }
     }
 }
@@ -178,6 +184,7 @@ impl DirectReads {
         }
         if direct {
             e.direct += 1;
+            e.direct_writer |= caches;
             DIRECT_FH
         } else {
             e.cached += 1;
@@ -197,10 +204,14 @@ impl DirectReads {
     }
 
     /// Closes a handle that [`DirectReads::open`] gave out (or a created file's, 0).
-    pub(crate) fn release(&self, ino: u64, fh: u64) {
+    /// Returns whether that was the last handle and a writer among them wrote past the
+    /// kernel's cache: the kernel's mtime of the file is then stale (with the
+    /// writeback cache on it keeps the mtime itself and does not move it for such
+    /// writes) until the inode leaves its cache.
+    pub(crate) fn release(&self, ino: u64, fh: u64) -> bool {
         let mut files = self.files.lock();
         let Some(e) = files.get_mut(&ino) else {
-            return;
+            return false;
         };
         let n = if fh == DIRECT_FH {
             &mut e.direct
@@ -208,9 +219,11 @@ impl DirectReads {
             &mut e.cached
         };
         *n = n.saturating_sub(1);
+        let stale = e.direct == 0 && e.cached == 0 && std::mem::take(&mut e.direct_writer);
         if e.direct == 0 && e.cached == 0 && (e.mode == Mode::Fresh || !e.large) {
             files.remove(&ino);
         }
+        stale
     }
 
     /// Notes a read of `len` bytes at `offset` of `ino` through handle `fh`.
@@ -364,15 +377,16 @@ mod tests {
         let w = d.open(1, libc::O_RDWR, 100 * MB);
         assert_eq!(w, DIRECT_FH, "writer beside a direct reader");
         assert_eq!(d.open_direct(), 2);
-        d.release(1, r);
+        assert!(!d.release(1, r), "the writer is still open");
         assert_eq!(
             d.open(1, RO, 100 * MB),
             DIRECT_FH,
             "the writer is still open"
         );
-        d.release(1, DIRECT_FH);
-        d.release(1, w);
+        assert!(!d.release(1, DIRECT_FH));
+        assert!(d.release(1, w), "the last close after a direct writer");
         assert!(!once(&d, 1, RO, 100 * MB));
+        assert!(!once(&d, 1, libc::O_RDWR, 100 * MB), "a cached writer");
         // A reader opened while a cached handle (a small file's writer, the file
         // since grown) is open is cached, whatever the size.
         let w = d.open(2, libc::O_WRONLY, 0);

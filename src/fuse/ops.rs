@@ -1216,9 +1216,47 @@ impl FuseFs {
 
     /// Closes handle `fh`, opened with `flags` (the kernel's own, as at open).
     pub(crate) fn release(&self, nodeid: u64, fh: u64, flags: i32, reply: impl AnswerEmpty) {
-        self.writers.released(to_ino(nodeid), flags);
-        self.direct.release(to_ino(nodeid), fh);
-        empty(self.fs.release(to_ino(nodeid)), reply)
+        let ino = to_ino(nodeid);
+        self.writers.released(ino, flags);
+        let stale = self.direct.release(ino, fh);
+        empty(self.fs.release(ino), reply);
+        if stale {
+            self.evict_from_kernel(ino);
+        }
+    }
+
+    /// Has the kernel drop its dentries of `ino`'s names, so that the inode (closed
+    /// now) leaves its cache and the next lookup takes birchfs's attributes: the
+    /// mtime that writes past the kernel's cache (a writer beside a direct reader)
+    /// left stale there. From a thread of its own, as the kernel locks each parent.
+    fn evict_from_kernel(&self, ino: u64) {
+        /// Names of one file it drops at most (a file with more stays cached).
+        const MAX_NAMES: usize = 64;
+        let Some(n) = self.notifier.get().cloned() else {
+            return;
+        };
+        let fs = self.fs.clone();
+        let spawned = std::thread::Builder::new()
+            .name("evict".into())
+            .spawn(move || {
+                let names = match fs.names_of(ino, MAX_NAMES) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        tracing::debug!("names of inode {ino} to drop from the kernel: {e}");
+                        return;
+                    }
+                };
+                use std::os::unix::ffi::OsStrExt;
+                for (parent, name) in names {
+                    let name = std::ffi::OsStr::from_bytes(&name);
+                    if let Err(e) = n.inval_entry(to_fuse(parent), name) {
+                        tracing::debug!("dropping a name of inode {ino} from the kernel: {e}");
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::debug!("no thread to drop inode {ino} from the kernel: {e}");
+        }
     }
 
     /// fsync and fdatasync (of files and directories): answered at once when nothing
