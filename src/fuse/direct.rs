@@ -19,16 +19,17 @@
 //!   read (it did not agree to `FUSE_DIRECT_IO_ALLOW_MMAP` at INIT).
 //!
 //! An inode's open handles are all direct or all cached: an open while others are
-//! open takes their kind, a writer's too. (The kernel does not move the mtime for a
-//! direct writer's writes, so when such a file's last handle closes, the daemon has
-//! the kernel drop the inode, whose next lookup then takes birchfs's mtime.) Mixed, a cached writer could extend the file
+//! open takes their kind, a writer's too. Mixed, a cached writer could extend the file
 //! in the kernel's cache with a gap before its new data, and a direct read of the gap
 //! would end at the size birchfs knows (the kernel writes back only the dirty pages of
-//! the range a direct read asks for). Otherwise correctness does not rest on this
-//! bookkeeping: with `FUSE_DIRECT_IO_ALLOW_MMAP` the kernel writes back a range's
-//! dirty cached pages (a shared mapping's too) before a direct read of it, and on
-//! close a handle's. An entry goes when the kernel forgets the inode, or when its
-//! last handle closes and it is small or nothing is known of it.
+//! the range a direct read asks for). The kernel does not move the mtime for a direct
+//! writer's writes, so when such a file's last handle closes, the daemon has the
+//! kernel drop the inode, whose next lookup takes birchfs's mtime. Otherwise
+//! correctness does not rest on this bookkeeping: with `FUSE_DIRECT_IO_ALLOW_MMAP` the
+//! kernel writes back a range's dirty cached pages (a shared mapping's too) before a
+//! direct read of it, and on close a handle's. An entry goes when the kernel forgets
+//! the inode, or when its last handle closes and it is small or nothing is known of
+//! it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -184,7 +185,7 @@ impl DirectReads {
         }
         if direct {
             e.direct += 1;
-            e.direct_writer |= caches;
+            e.direct_writer |= opens_to_write(flags);
             DIRECT_FH
         } else {
             e.cached += 1;
