@@ -1021,10 +1021,8 @@ def machine_facts(work):
         base = base.rsplit("p", 1)[0]
     q = Path(f"/sys/block/{base}/queue")
     def rd(p):
-        try:
-            return Path(p).read_text().strip()
-        except OSError:
-            return "?"
+        v = read_text(p)
+        return "?" if v is None else v
     size = rd(f"/sys/block/{base}/size")
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -1563,6 +1561,17 @@ def wrap(s, width):
 
 # ---------------------------------------------------------------- main
 
+URING_PARAM = "/sys/module/fuse/parameters/enable_uring"
+
+
+def read_text(path):
+    """The stripped contents of a small file, or None when it cannot be read."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
 def on_signal(signum, frame):
     raise Interrupted(f"signal {signum}")
 
@@ -1668,6 +1677,9 @@ def main():
     if a.reps:
         res["command"] += f" (--reps {a.reps})"
     rc = 0
+    # `-o uring=on` (birchfs-uring) turns fuse's enable_uring parameter on and leaves
+    # it on; the harness sets it back to what it found.
+    uring_was = read_text(URING_PARAM)
     try:
         cleanup_work(work)
         ensure_deps()
@@ -1734,6 +1746,12 @@ def main():
             signal.signal(s, signal.SIG_IGN)
         kill_children()
         cleanup_work(work)
+        if uring_was == "N" and read_text(URING_PARAM) == "Y":
+            try:
+                Path(URING_PARAM).write_text("0")
+                log(f"set {URING_PARAM} back to N")
+            except OSError as e:
+                log(f"warning: could not set {URING_PARAM} back to N: {e}")
         left = [m for m in mounts() if m[1].startswith(str(work))] + [(d,) for d in loops_under(work)]
         if left:
             log(f"warning: still present after cleanup: {left}")
