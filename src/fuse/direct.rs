@@ -220,8 +220,9 @@ impl DirectReads {
             &mut e.cached
         };
         *n = n.saturating_sub(1);
-        let stale = e.direct == 0 && e.cached == 0 && std::mem::take(&mut e.direct_writer);
-        if e.direct == 0 && e.cached == 0 && (e.mode == Mode::Fresh || !e.large) {
+        let last = e.direct == 0 && e.cached == 0;
+        let stale = last && std::mem::take(&mut e.direct_writer);
+        if last && (e.mode == Mode::Fresh || !e.large) {
             files.remove(&ino);
         }
         stale
