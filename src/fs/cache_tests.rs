@@ -279,6 +279,34 @@ fn the_dirty_limit_makes_writers_write_back() {
 }
 
 #[test]
+fn a_large_cache_keeps_a_streams_dirty_data_and_written_folios_few() {
+    // A 1 GiB cache would allow 512 MiB dirty and keep 32 MiB of written folios; a
+    // stream's writer writes back past 64 MiB dirty, and 8 MiB of what was written
+    // stays.
+    let o = opts(1 << 30, 64 << 10, true);
+    let (_dev, fs) = mk(160 * MB, o);
+    let ino = file(&fs, b"stream");
+    let chunk = pattern(MB as usize, 3);
+    let mut peak = 0;
+    for n in 0..80 {
+        fs.write(ino, n * MB, &chunk).unwrap();
+        peak = peak.max(fs.stats().cache_dirty_bytes);
+    }
+    assert!(peak <= 65 * MB, "{peak} bytes dirty at most");
+    assert!(peak >= 63 * MB, "{peak} bytes dirty at most");
+    assert!(
+        fs.stats().dev_data_bytes >= 16 * MB,
+        "the writer wrote back"
+    );
+    fs.fsync(ino, false).unwrap();
+    let kept = fs.stats().cache_bytes;
+    assert!(kept <= 8 * MB + MB, "{kept} bytes stayed cached");
+    for n in [0, 40, 79] {
+        assert_eq!(fs.read(ino, n * MB, MB as u32).unwrap(), chunk, "MiB {n}");
+    }
+}
+
+#[test]
 fn old_dirty_data_is_written_back_by_the_flusher() {
     let mut o = opts(64 * MB, 64 << 10, true);
     o.cache.dirty_expire = Duration::from_millis(50);
