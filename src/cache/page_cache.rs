@@ -32,9 +32,10 @@ const RA_MAX: u64 = 4 << 20;
 /// (half of it otherwise). Data a writer sends is in the kernel's page cache already,
 /// so more dirty data here only takes fresh memory, and below this the request
 /// threads write back beside the flusher. A 4 GiB sequential write on a 2-CPU VM
-/// (`cache_size` 2.9 GiB; 4 interleaved rounds) went from 905-936 to 1,059-1,076
-/// MiB/s with this and [`WINDOW_MAX`]; uncapped, 280 MiB piled up dirty and the
-/// daemon spent 18% of its CPU clearing fresh pages.
+/// (`cache_size` 2.9 GiB; 3 interleaved rounds) went from 816-1,146 to 850-1,251
+/// MiB/s with this and [`WINDOW_MAX`], the daemon's CPU from 2.6-3.2 s to 2.2-2.3 s;
+/// uncapped, 280 MiB piled up dirty and the daemon spent 18% of its CPU clearing
+/// fresh pages.
 const DIRTY_MAX: u64 = 64 << 20;
 /// Largest background-writeback threshold and drop-behind window (1/32 of the
 /// cache otherwise): a stream's folios go to the device and leave soon after they
