@@ -29,9 +29,9 @@ const RA_INITIAL: u64 = 128 << 10;
 const RA_MAX: u64 = 4 << 20;
 
 /// Most dirty bytes before writers write back themselves, however large the cache
-/// (half of it otherwise). Data a writer sends is in the kernel's page cache already,
-/// so more dirty data here only takes fresh memory, and below this the request
-/// threads write back beside the flusher. A 4 GiB sequential write on a 2-CPU VM
+/// (half of it otherwise). Through FUSE, data a writer sends is in the kernel's page
+/// cache already, so more dirty data here only takes fresh memory; past this the
+/// request threads write back beside the flusher. A 4 GiB sequential write on a 2-CPU VM
 /// (`cache_size` 2.9 GiB; 3 interleaved rounds) went from 816-1,146 to 850-1,251
 /// MiB/s with this and [`WINDOW_MAX`], the daemon's CPU from 2.6-3.2 s to 2.2-2.3 s;
 /// uncapped, 280 MiB piled up dirty and the daemon spent 18% of its CPU clearing
