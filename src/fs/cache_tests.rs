@@ -294,10 +294,7 @@ fn a_large_cache_keeps_a_streams_dirty_data_and_written_folios_few() {
     }
     assert!(peak <= 65 * MB, "{peak} bytes dirty at most");
     assert!(peak >= 63 * MB, "{peak} bytes dirty at most");
-    assert!(
-        fs.stats().dev_data_bytes >= 16 * MB,
-        "the writer wrote back"
-    );
+    assert!(fs.stats().dev_data_bytes >= 8 * MB, "the writer wrote back");
     fs.fsync(ino, false).unwrap();
     let kept = fs.stats().cache_bytes;
     assert!(kept <= 8 * MB + MB, "{kept} bytes stayed cached");
