@@ -432,6 +432,26 @@ fn a_failed_writeback_keeps_the_data_dirty_for_the_next_try() {
 }
 
 #[test]
+fn a_writer_past_the_dirty_limit_goes_on_when_writeback_fails() {
+    // A 4 MiB cache: writers write back past 2 MiB dirty. With the device failing,
+    // what they could not write stays dirty and they go on; fsync reports it.
+    let dev = Arc::new(crate::dev::CrashDev::new(MemDev::new(64 * MB).image()));
+    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    let fs = Fs::open(dev.clone(), opts(4 * MB, 64 << 10, true)).unwrap();
+    let ino = file(&fs, b"f");
+    dev.fail_after(0);
+    for n in 0..3 {
+        fs.write(ino, n * MB, &[7; MB as usize]).unwrap();
+    }
+    assert_eq!(fs.stats().cache_dirty_bytes, 3 * MB);
+    assert!(fs.fsync(ino, false).is_err());
+    assert_eq!(
+        fs.read(ino, 2 * MB, MB as u32).unwrap(),
+        vec![7; MB as usize]
+    );
+}
+
+#[test]
 fn sequential_reads_read_ahead_and_random_reads_do_not() {
     let (o, dev, fs, ino, data) = a_remounted_file(8 * MB, 6);
     let chunk = 128 * 1024;

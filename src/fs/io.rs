@@ -662,7 +662,7 @@ impl Fs {
     fn balance(&self, ino: u64) -> Result<()> {
         let cache = &self.cache;
         if cache.dirty_bytes() > cache.dirty_limit() && cache.has_dirty(ino) {
-            self.writeback(ino, WB_CHUNK)?;
+            self.soft_writeback(ino, WB_CHUNK);
         }
         self.shed(WB_CHUNK)
     }
@@ -670,15 +670,17 @@ impl Fs {
     /// Brings the cache within its limits: past the dirty limit the oldest dirty files
     /// are written back, up to `per_file` bytes of each; past its size clean folios
     /// are evicted, and when too much is dirty for that, the oldest dirty files are
-    /// written back first.
+    /// written back first. Only a failure of the latter is an error: the cache's size
+    /// is the bound, the dirty limit only a point to start writing back.
     fn shed(&self, per_file: u64) -> Result<()> {
         let cache = &self.cache;
         if cache.dirty_bytes() > cache.dirty_limit() {
             for (other, _) in cache.dirty_inodes() {
-                if cache.dirty_bytes() <= cache.dirty_limit() {
+                if cache.dirty_bytes() <= cache.dirty_limit()
+                    || !self.soft_writeback(other, per_file)
+                {
                     break;
                 }
-                self.writeback(other, per_file)?;
             }
         }
         if cache.evict() {
@@ -690,6 +692,20 @@ impl Fs {
             }
         }
         Ok(())
+    }
+
+    /// A writeback past the dirty limit, which the writer that pays it does not fail
+    /// on: what could not be written stays dirty for the flusher, an fsync or a sync
+    /// to try again and report (a full host keeps taking writes into the cache, as
+    /// Limits says). Returns whether it wrote.
+    fn soft_writeback(&self, ino: u64, max: u64) -> bool {
+        match self.writeback(ino, max) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::debug!("writeback of inode {ino} past the dirty limit failed: {e}");
+                false
+            }
+        }
     }
 
     /// Where the data (`data`: SEEK_DATA) or the hole (SEEK_HOLE) at or after `offset`
