@@ -9,4 +9,4 @@ pub(crate) use folio::Folio;
 pub use memory::MemoryPressure;
 pub use memory::{memory_limit_room, usable_memory};
 pub use page_cache::{default_cache_size, CacheOptions};
-pub(crate) use page_cache::{CachedFolio, PageCache};
+pub(crate) use page_cache::{CachedFolio, Held, PageCache};

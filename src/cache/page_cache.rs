@@ -156,6 +156,8 @@ pub(crate) struct PageCache {
     bytes: AtomicU64,
     /// Bytes of dirty blocks.
     dirty_bytes: AtomicU64,
+    /// Room held for data not counted dirty (see [`PageCache::hold`]).
+    held: AtomicU64,
     tick: AtomicU64,
     /// Wakes the flusher when dirty data passes the background threshold.
     kick: (Mutex<bool>, Condvar),
@@ -169,6 +171,33 @@ pub(crate) struct PageCache {
     /// A size below `cache_size` the cache keeps to while the system is short of
     /// memory (`u64::MAX`: none); see [`PageCache::squeeze`].
     squeeze: AtomicU64,
+}
+
+/// Room [`PageCache::hold`] holds, released when this drops (or before, by
+/// [`Held::release`]).
+pub(crate) struct Held<'a> {
+    cache: &'a PageCache,
+    n: AtomicU64,
+}
+
+impl Held<'_> {
+    /// Holds `n` bytes more.
+    pub(crate) fn add(&self, n: u64) {
+        self.n.fetch_add(n, Ordering::Relaxed);
+        self.cache.held.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Releases what it holds now.
+    pub(crate) fn release(&self) {
+        let n = self.n.swap(0, Ordering::Relaxed);
+        self.cache.held.fetch_sub(n, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// Buffers of evicted folios, kept for new ones, by kind.
@@ -193,6 +222,7 @@ impl PageCache {
             state: Mutex::new(State::default()),
             bytes: AtomicU64::new(0),
             dirty_bytes: AtomicU64::new(0),
+            held: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             kick: (Mutex::new(false), Condvar::new()),
             spare: Mutex::new(Spare::default()),
@@ -336,9 +366,27 @@ impl PageCache {
         self.bytes.load(Ordering::Relaxed)
     }
 
-    /// Bytes of dirty blocks (the delayed-allocation reservation).
+    /// Bytes of dirty blocks.
     pub(crate) fn dirty_bytes(&self) -> u64 {
         self.dirty_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes cached data holds room for (the delayed-allocation reservation): its
+    /// dirty blocks and what [`PageCache::hold`] holds.
+    pub(crate) fn promised_bytes(&self) -> u64 {
+        self.dirty_bytes() + self.held.load(Ordering::Relaxed)
+    }
+
+    /// Holds room for `n` bytes of data not counted dirty, until the guard releases
+    /// it: a write admitted and not yet copied into its folios, or dirty blocks a
+    /// writeback took and has not yet found space for. Without it a write admitted
+    /// meanwhile could take that room, and a writeback fail for want of it.
+    pub(crate) fn hold(&self, n: u64) -> Held<'_> {
+        self.held.fetch_add(n, Ordering::Relaxed);
+        Held {
+            cache: self,
+            n: AtomicU64::new(n),
+        }
     }
 
     /// Dirty bytes past which writers write back before returning.

@@ -688,14 +688,19 @@ fn beside_a_write(fs: &Fs, ino: u64, off: u64, data: &[u8], copied: bool, beside
     let (paused_tx, paused_rx) = std::sync::mpsc::channel::<()>();
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let go_rx = std::sync::Mutex::new(go_rx);
-    *fs.write_hook.lock() = Some(Box::new(move |stage| {
-        if stage == copied {
+    // Only this write pauses, not those `beside` makes.
+    const WRITER: &str = "paused writer";
+    *fs.write_hook.lock() = Some(Arc::new(move |stage| {
+        if stage == copied && std::thread::current().name() == Some(WRITER) {
             let _ = paused_tx.send(());
             let _ = go_rx.lock().unwrap().recv_timeout(Duration::from_secs(20));
         }
     }));
     std::thread::scope(|s| {
-        let writer = s.spawn(|| fs.write(ino, off, data).unwrap());
+        let writer = std::thread::Builder::new()
+            .name(WRITER.into())
+            .spawn_scoped(s, || fs.write(ino, off, data).unwrap())
+            .unwrap();
         paused_rx.recv().unwrap();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
         let other = s.spawn(move || {
@@ -708,6 +713,88 @@ fn beside_a_write(fs: &Fs, ino: u64, off: u64, data: &[u8], copied: bool, beside
         other.join().unwrap();
     });
     *fs.write_hook.lock() = None;
+}
+
+/// Writes to the end of file `b` in 1 MiB, then 64 KiB pieces of 0xbb until the
+/// file system has no room for more.
+fn fill_b(fs: &Fs, _: u64) {
+    let b = fs.lookup_nopin(ROOT_INO, b"b").unwrap().ino;
+    let mut off = fs.getattr(b).unwrap().size;
+    for piece in [MB, 64 << 10] {
+        let buf = vec![0xbb; piece as usize];
+        loop {
+            match fs.write(b, off, &buf) {
+                Ok(n) => off += n as u64,
+                Err(Error::NoSpace) => break,
+                Err(e) => panic!("write to b at {off}: {e}"),
+            }
+        }
+    }
+}
+
+/// A file system of 64 MiB with an empty file `b` beside `a`, whose first 8 MiB a
+/// write is to give: its options, device, fs and `a`.
+fn a_and_b() -> (Options, Arc<MemDev>, Fs, u64) {
+    // The dirty limit (64 MiB) is past what fits: nothing is written back unasked.
+    let o = opts(256 * MB, 64 << 10, true);
+    let (dev, fs) = mk(64 * MB, o.clone());
+    let a = file(&fs, b"a");
+    file(&fs, b"b");
+    // Committed: a write that finds no room then fails at once, without a commit
+    // (which would wait for the write beside it).
+    fs.commit().unwrap();
+    (o, dev, fs, a)
+}
+
+/// `fill_b` filled the file system beside `a`'s write of `da`: both files' writebacks
+/// find their space, and both read back whole after a remount.
+fn both_reach_the_disk(o: Options, dev: &Arc<MemDev>, fs: Fs, a: u64, da: &[u8]) {
+    let b = fs.lookup_nopin(ROOT_INO, b"b").unwrap().ino;
+    let nb = fs.getattr(b).unwrap().size;
+    assert!(nb >= 16 * MB, "b took only {nb} bytes");
+    fs.fsync(a, false)
+        .expect("a's writeback found no space for what its write was admitted with");
+    fs.fsync(b, false)
+        .expect("b's writeback found no space for what its writes were admitted with");
+    let fs = remount(dev, fs, o);
+    assert!(fs.read(a, 0, da.len() as u32).unwrap() == da, "a differs");
+    let got = fs.read(b, 0, nb as u32).unwrap();
+    assert!(
+        got.len() as u64 == nb && got.iter().all(|&x| x == 0xbb),
+        "b differs"
+    );
+}
+
+/// Writes admitted while another write is copying into the cache leave it the room
+/// it was admitted with (held until its blocks count as dirty).
+#[test]
+fn writes_beside_a_write_leave_it_its_room() {
+    let (o, dev, fs, a) = a_and_b();
+    let da = pattern(8 * MB as usize, 1);
+    beside_a_write(&fs, a, 0, &da, false, fill_b);
+    both_reach_the_disk(o, &dev, fs, a, &da);
+}
+
+/// Writes admitted while a writeback has taken dirty blocks and not yet found space
+/// for them leave those blocks their room (held until the space is found).
+#[test]
+fn writes_beside_a_writeback_leave_its_blocks_their_room() {
+    let (o, dev, fs, a) = a_and_b();
+    let da = pattern(8 * MB as usize, 2);
+    fs.write(a, 0, &da).unwrap();
+    let fs = Arc::new(fs);
+    let once = std::sync::atomic::AtomicBool::new(false);
+    let weak = Arc::downgrade(&fs);
+    *fs.writeback_hook.lock() = Some(Arc::new(move |_| {
+        if !once.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            fill_b(&weak.upgrade().unwrap(), a);
+        }
+    }));
+    fs.fsync(a, false)
+        .expect("a's writeback found no space for the blocks it took");
+    *fs.writeback_hook.lock() = None;
+    let fs = Arc::try_unwrap(fs).ok().unwrap();
+    both_reach_the_disk(o, &dev, fs, a, &da);
 }
 
 /// After a crash now, `ino` holds `old` or `old` followed by `new` (whole), the

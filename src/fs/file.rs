@@ -871,7 +871,11 @@ impl Inner {
             holes.sort_unstable();
             let need: u64 = holes.iter().map(|(s, e)| e - s).sum();
             // Dirty cached blocks were promised room when they were written.
-            if !self.store.alloc.has_room(need + self.cache.dirty_bytes()) {
+            if !self
+                .store
+                .alloc
+                .has_room(need + self.cache.promised_bytes())
+            {
                 return Err(Error::NoSpace);
             }
             if mode.zero_range {

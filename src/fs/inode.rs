@@ -301,10 +301,11 @@ impl Inner {
         new
     }
 
-    /// Room that cached writes hold: their dirty data, and the margin for the tree
-    /// nodes its writeback copies (as `write_begin` counts them when it admits them).
+    /// Room that cached writes hold: their dirty data and the data held beside it
+    /// (`PageCache::hold`), and the margin for the tree nodes its writeback copies (as
+    /// `write_begin` counts them when it admits them).
     pub(crate) fn promised_room(&self) -> u64 {
-        let d = self.cache.dirty_bytes();
+        let d = self.cache.promised_bytes();
         if d == 0 {
             0
         } else {

@@ -21,7 +21,7 @@
 use std::sync::Arc;
 
 use super::Fs;
-use crate::cache::{CachedFolio, Folio, PageCache};
+use crate::cache::{CachedFolio, Folio, Held, PageCache};
 use crate::error::{Error, Result};
 use crate::format::{inode_flag, BLOCK_SIZE, MAX_EXTENT_SIZE, MAX_FILE_SIZE};
 use crate::stats::Stats;
@@ -212,23 +212,24 @@ impl Fs {
         } else {
             (offset / fsz * fsz, end.div_ceil(fsz) * fsz)
         };
-        let size = self.with_space(|i| {
+        // The room admitted is held until the copy counts it dirty: a write to
+        // another file admitted meanwhile sees it taken.
+        let (size, held) = self.with_space(|i| {
             let own = stamp.then_some(offset);
-            i.write_begin(
+            let size = i.write_begin(
                 ino,
                 span,
-                cache.dirty_bytes(),
+                cache.promised_bytes(),
                 (len > 0).then_some(end),
                 own,
-            )
+            )?;
+            Ok((size, cache.hold(span.1 - span.0)))
         })?;
         if len == 0 {
             return Ok(0);
         }
         #[cfg(test)]
-        if let Some(hook) = &*self.write_hook.lock() {
-            hook(false);
-        }
+        super::run_hook(&self.write_hook, false);
         let mut pos = offset;
         let mut err = None;
         while pos < end {
@@ -240,10 +241,9 @@ impl Fs {
             pos = (pos / fsz + 1) * fsz;
         }
         let pos = pos.min(end);
+        drop(held);
         #[cfg(test)]
-        if let Some(hook) = &*self.write_hook.lock() {
-            hook(true);
-        }
+        super::run_hook(&self.write_hook, true);
         self.with(|i| i.note_write(ino, size, pos, stamp && pos > offset))?;
         Stats::add(&self.stats.user_bytes, pos - offset);
         if let Some(e) = err {
@@ -795,6 +795,8 @@ impl Fs {
             if folios.is_empty() {
                 break;
             }
+            // Blocks taken keep their room until `write_runs` has space for them.
+            let held = cache.hold(0);
             let mut busy = InWriteback(Vec::with_capacity(folios.len()));
             for (idx, f) in folios {
                 let mut g = f.folio.lock();
@@ -829,12 +831,15 @@ impl Fs {
                 let n = g.dirty.count();
                 g.clear_dirty(0, nb);
                 drop(g);
+                held.add(n as u64 * BS);
                 cache.sub_dirty(ino, n);
             }
             if runs.is_empty() {
                 continue;
             }
-            if let Err(e) = self.write_runs(ino, &runs) {
+            #[cfg(test)]
+            super::run_hook(&self.writeback_hook, false);
+            if let Err(e) = self.write_runs(ino, &runs, &held) {
                 // The blocks are dirty again, so a later writeback (or fsync) retries.
                 for r in &runs {
                     for (f, idx, a, b) in &r.parts {
@@ -862,8 +867,10 @@ impl Fs {
     }
 
     /// Finds space for each run (in place over the file's own preallocated blocks,
-    /// new elsewhere), writes the runs there and maps them in the file.
-    fn write_runs(&self, ino: u64, runs: &[DirtyRun]) -> Result<()> {
+    /// new elsewhere), writes the runs there and maps them in the file. `held` holds
+    /// the runs' room until their space is found, and again if their write fails
+    /// (the caller makes them dirty again).
+    fn write_runs(&self, ino: u64, runs: &[DirtyRun], held: &Held<'_>) -> Result<()> {
         // The preallocated blocks chosen stay the file's until they are mapped: the
         // writeback lock keeps its extents as planned (truncate, hole punching,
         // fallocate and cloning take it), and space an unlink frees meanwhile is
@@ -890,6 +897,7 @@ impl Fs {
             if filled > 0 {
                 i.store.alloc.begin_in_place();
             }
+            held.release();
             Ok((v, filled))
         })?;
         // SAFETY: the runs' folios are under writeback until the caller's
@@ -908,6 +916,7 @@ impl Fs {
             Ok(s) => s,
             Err(e) => {
                 let mut g = self.inner.lock();
+                held.add(runs.iter().map(|r| r.len).sum());
                 for s in &spaces {
                     g.release_space(s);
                 }

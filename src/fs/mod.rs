@@ -209,7 +209,17 @@ pub(crate) struct Inner {
 
 /// Tests: a function a write calls while under way (see `Fs::write_hook`).
 #[cfg(test)]
-pub(crate) type WriteHook = Box<dyn Fn(bool) + Send + Sync>;
+pub(crate) type WriteHook = Arc<dyn Fn(bool) + Send + Sync>;
+
+/// Tests: runs the hook in `slot`, if any, with `stage`, outside the slot's lock (so
+/// that what it waits for may run the hook too).
+#[cfg(test)]
+pub(crate) fn run_hook(slot: &Mutex<Option<WriteHook>>, stage: bool) {
+    let hook = slot.lock().clone();
+    if let Some(hook) = hook {
+        hook(stage);
+    }
+}
 
 /// The runs of at least `min_len` bytes in `freed` (extents in any order, none
 /// overlapping), adjacent ones joined, in address order.
@@ -266,6 +276,10 @@ pub struct Fs {
     /// `false`) and after it (`true`).
     #[cfg(test)]
     pub(crate) write_hook: Mutex<Option<WriteHook>>,
+    /// Tests: runs inside a writeback, after it took dirty blocks and before it finds
+    /// space for them (with `false`).
+    #[cfg(test)]
+    pub(crate) writeback_hook: Mutex<Option<WriteHook>>,
 }
 
 /// Shards of the per-file lock table.
@@ -359,6 +373,8 @@ impl Fs {
             changes: std::sync::atomic::AtomicU64::new(0),
             #[cfg(test)]
             write_hook: Mutex::new(None),
+            #[cfg(test)]
+            writeback_hook: Mutex::new(None),
         };
         if !fs.opts.readonly {
             let n = fs.inner.lock().free_orphans()?;
@@ -1129,7 +1145,7 @@ impl Fs {
         let soon = g.store.data_freed_by_queued_refs();
         let a = &g.store.alloc;
         let all_free = a.free_bytes() + a.pinned_bytes() + soon;
-        let free = all_free.saturating_sub(self.cache.dirty_bytes());
+        let free = all_free.saturating_sub(self.cache.promised_bytes());
         // Cached writes hold room for their data and for the tree nodes their
         // writeback will copy: none of it is available.
         let bavail = all_free.saturating_sub(a.reserve() + g.promised_room()) / 4096;
