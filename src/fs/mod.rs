@@ -280,6 +280,9 @@ pub struct Fs {
     /// space for them (with `false`).
     #[cfg(test)]
     pub(crate) writeback_hook: Mutex<Option<WriteHook>>,
+    /// Tests: runs inside a commit, before its nodes are written (with `false`).
+    #[cfg(test)]
+    pub(crate) commit_hook: Mutex<Option<WriteHook>>,
 }
 
 /// Shards of the per-file lock table.
@@ -375,6 +378,8 @@ impl Fs {
             write_hook: Mutex::new(None),
             #[cfg(test)]
             writeback_hook: Mutex::new(None),
+            #[cfg(test)]
+            commit_hook: Mutex::new(None),
         };
         if !fs.opts.readonly {
             let n = fs.inner.lock().free_orphans()?;
@@ -616,6 +621,8 @@ impl Fs {
             },
             None => Some(log_guard),
         };
+        #[cfg(test)]
+        run_hook(&self.commit_hook, false);
         if let Err(f) = Store::write_commit(self.dev.as_ref(), &self.stats, &batch) {
             let mut g = self.inner.lock();
             if f.retryable {

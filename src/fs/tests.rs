@@ -2791,6 +2791,98 @@ fn a_power_cut_during_a_grow_leaves_the_old_size_or_the_new() {
     );
 }
 
+/// A grow's commit keeps the log to itself until it lands: an fsync of data that only
+/// the new space holds, made while that commit is written, waits for it. (A batch
+/// written before the new size is durable would name blocks past the old end, which a
+/// replay on the old size cannot take.) A power cut at any write from the grow on
+/// leaves an image that checks clean, with the file whole once its fsync returned.
+#[test]
+fn an_fsync_of_data_in_the_new_space_waits_for_the_grows_commit() {
+    let (mem, fs) = mk(32 * MB);
+    let new = fs.mknod(ROOT_INO, b"new", 0o644, 0, cr()).unwrap().ino;
+    let big = fs.mknod(ROOT_INO, b"big", 0o644, 0, cr()).unwrap().ino;
+    let chunk = pattern(64 << 10, 1);
+    let mut off = 0;
+    while fs.write(big, off, &chunk).is_ok() {
+        off += chunk.len() as u64;
+    }
+    fs.unmount().unwrap();
+    let mut image = mem.image();
+    image.resize((48 * MB) as usize, 0);
+    let dev = Arc::new(crate::dev::CrashDev::new(image));
+    let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
+    // More than the old size has free (its metadata reserve): some of it goes past
+    // the old end.
+    let data = pattern(8 << 20, 2);
+    assert!(
+        matches!(fs.write(new, 0, &data), Err(Error::NoSpace)),
+        "the filesystem is not full"
+    );
+    let start = dev.op_count();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let early = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let syncer = Arc::new(parking_lot::Mutex::new(None));
+    *fs.commit_hook.lock() = {
+        let (weak, dev, data) = (Arc::downgrade(&fs), dev.clone(), data.clone());
+        let (early, syncer) = (early.clone(), syncer.clone());
+        let done_rx = std::sync::Mutex::new(done_rx);
+        Some(Arc::new(move |_| {
+            let Some(fs) = weak.upgrade() else { return };
+            if syncer.lock().is_some() {
+                return;
+            }
+            let (done_tx, dev, data) = (done_tx.clone(), dev.clone(), data.clone());
+            *syncer.lock() = Some(std::thread::spawn(move || {
+                fs.write(new, 0, &data)?;
+                fs.fsync(new, false)?;
+                let _ = done_tx.send(());
+                Ok::<_, Error>(dev.op_count())
+            }));
+            let r = done_rx
+                .lock()
+                .unwrap()
+                .recv_timeout(std::time::Duration::from_millis(500));
+            early.store(r.is_ok(), std::sync::atomic::Ordering::Relaxed);
+        }))
+    };
+    fs.grow(48 * MB).unwrap();
+    *fs.commit_hook.lock() = None;
+    let synced_at = syncer
+        .lock()
+        .take()
+        .expect("the grow made no commit")
+        .join()
+        .unwrap()
+        .unwrap();
+    assert!(
+        !early.load(std::sync::atomic::Ordering::Relaxed),
+        "an fsync wrote the log while the grow's commit was in flight"
+    );
+    let end = dev.op_count();
+    let past_old_end = fs
+        .extent_map(new)
+        .unwrap()
+        .iter()
+        .any(|e| e.disk_addr + e.len > 32 * MB);
+    assert!(past_old_end, "none of the data went to the new space");
+    drop(fs);
+    for upto in start..=end {
+        let img = Arc::new(MemDev::from_image(dev.image_with(upto, &[])));
+        let problems = crate::check::check(img.as_ref()).unwrap().problems;
+        assert!(problems.is_empty(), "cut at op {upto}: {problems:?}");
+        let fs = Fs::open(img.clone(), Options::default()).unwrap();
+        if upto >= synced_at {
+            assert!(read_all(&fs, new) == data, "cut at op {upto}: new differs");
+        }
+        // What the log replayed is in the trees now, and within the size.
+        let problems = problems_after_unmount(&img, fs);
+        assert!(
+            problems.is_empty(),
+            "cut at op {upto}, replayed: {problems:?}"
+        );
+    }
+}
+
 /// A grow of a full filesystem in use (`birchfs resize` of a mount) while another
 /// thread, refused for want of space, keeps trying to write and fsync files until the
 /// new space takes them: a power cut after any flush, or at any write while the grow
