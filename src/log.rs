@@ -21,7 +21,9 @@
 //! batch would not fit before its end. Replay reads batches from `log_head` while
 //! magic, fsid, generation (the superblock's + 1), sequence and crc32c are right, then
 //! checks the data blocks named by logged checksum items: a batch whose data did not
-//! land (its fsync had not returned) ends the log, with every batch after it.
+//! land (its fsync had not returned) ends the log, with every batch after it. So does
+//! a batch naming blocks outside the data area of the superblock's size, which no
+//! batch of that size can (a grow's commit lands before the log takes another batch).
 //!
 //! ```text
 //! batch: magic[8] | csum u32 | nrecords u32 | fsid[16] | generation u64 | seq u64 | payload_len u32 | flags u32
@@ -595,6 +597,20 @@ pub(crate) fn parse(
     Ok(out)
 }
 
+/// Whether every data block a batch names (in its reference changes and its checksum
+/// items) lies within `[lo, hi)`, the data area of the filesystem's size.
+pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64) -> bool {
+    let inside =
+        |start: u64, len: u64| start >= lo && start.checked_add(len).is_some_and(|e| e <= hi);
+    ops.iter().all(|op| match op {
+        LogOp::DataRef { bytenr, len, .. } => inside(*bytenr, *len),
+        LogOp::Insert { tree: t, key, val } if *t == tree::CSUM => {
+            inside(key.offset, (val.len() / 4) as u64 * BLOCK_SIZE)
+        }
+        _ => true,
+    })
+}
+
 /// Whether every data block a batch's checksum items describe holds that data.
 pub(crate) fn data_landed(ops: &[LogOp], read: &mut dyn FnMut(u64, &mut [u8]) -> bool) -> bool {
     for op in ops {
@@ -644,6 +660,35 @@ mod tests {
             len: 8192,
             delta: -1,
         });
+    }
+
+    /// `within` takes a batch whose reference changes and checksummed blocks all lie
+    /// in the range, and refuses one with any of them reaching past either end.
+    #[test]
+    fn within_checks_references_and_checksummed_blocks_against_the_range() {
+        let csum = |at: u64, blocks: usize| LogOp::Insert {
+            tree: tree::CSUM,
+            key: Key::new(objectid::CSUM, 128, at),
+            val: vec![0; blocks * 4],
+        };
+        let dref = |bytenr: u64, len: u64| LogOp::DataRef {
+            bytenr,
+            len,
+            delta: 1,
+        };
+        let (lo, hi) = (1 << 20, 64 << 20);
+        assert!(within(&[dref(lo, 4096), csum(hi - 8192, 2)], lo, hi));
+        assert!(!within(&[dref(lo - 4096, 4096)], lo, hi));
+        assert!(!within(&[dref(hi - 4096, 8192)], lo, hi));
+        assert!(!within(&[dref(u64::MAX - 4095, 8192)], lo, hi));
+        assert!(!within(&[dref(lo, 4096), csum(hi - 4096, 2)], lo, hi));
+        // Other items name no data blocks.
+        let other = LogOp::Insert {
+            tree: tree::FS,
+            key: Key::new(300, 1, u64::MAX),
+            val: vec![0; 8],
+        };
+        assert!(within(&[other], lo, hi));
     }
 
     /// Writes `b` into the area image.

@@ -2791,6 +2791,58 @@ fn a_power_cut_during_a_grow_leaves_the_old_size_or_the_new() {
     );
 }
 
+/// A log batch that names blocks past the filesystem's size is damage (no batch of
+/// this size can): replay stops before it, and what the batches before it hold is
+/// there, in trees that check clean.
+#[test]
+fn replay_stops_at_a_batch_naming_blocks_past_the_size() {
+    let (mem, fs) = mk(96 * MB);
+    fs.commit().unwrap();
+    fs.unmount().unwrap();
+    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    // a's data takes the first 32 MiB and more: the smallest size ends past it.
+    let (da, db) = (pattern(32 << 20, 1), pattern(24 << 20, 2));
+    let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap().ino;
+    fs.write(a, 0, &da).unwrap();
+    fs.fsync(a, false).unwrap();
+    let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap().ino;
+    fs.write(b, 0, &db).unwrap();
+    fs.fsync(b, false).unwrap();
+    let end = |ino| {
+        let m = fs.extent_map(ino).unwrap();
+        (
+            m.iter().map(|e| e.disk_addr).min().unwrap(),
+            m.iter().map(|e| e.disk_addr + e.len).max().unwrap(),
+        )
+    };
+    let ((_, a_end), (b_start, b_end)) = (end(a), end(b));
+    assert!(a_end <= b_start, "b's data is not past a's");
+    // The crash: every write landed, nothing committed since the first commit. Then
+    // the superblock says the filesystem ends halfway through b's data.
+    let mut image = dev.live_image();
+    drop(fs);
+    let img = MemDev::from_image(image.clone());
+    let mut sb = crate::txn::Store::read_super(&img).unwrap();
+    sb.total_bytes = ((b_start + b_end) / 2) & !(BS - 1);
+    for off in crate::format::SUPER_OFFSETS {
+        if off + crate::format::SUPER_SIZE as u64 <= image.len() as u64 {
+            let bytes = sb.encode(off);
+            image[off as usize..off as usize + bytes.len()].copy_from_slice(&bytes);
+        }
+    }
+    let img = Arc::new(MemDev::from_image(image));
+    let fs = Fs::open(img.clone(), Options::default()).unwrap();
+    let a = fs.lookup_nopin(ROOT_INO, b"a").unwrap().ino;
+    assert!(read_all(&fs, a) == da, "a, logged before, differs");
+    assert!(
+        matches!(fs.lookup_nopin(ROOT_INO, b"b"), Err(Error::NotFound)),
+        "the batch past the size was replayed"
+    );
+    let problems = problems_after_unmount(&img, fs);
+    assert!(problems.is_empty(), "{problems:?}");
+}
+
 /// A grow's commit keeps the log to itself until it lands: an fsync of data that only
 /// the new space holds, made while that commit is written, waits for it. (A batch
 /// written before the new size is durable would name blocks past the old end, which a
