@@ -598,10 +598,15 @@ pub(crate) fn parse(
 }
 
 /// Whether every data block a batch names (in its reference changes and its checksum
-/// items) lies within `[lo, hi)`, the data area of the filesystem's size.
-pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64) -> bool {
-    let inside =
-        |start: u64, len: u64| start >= lo && start.checked_add(len).is_some_and(|e| e <= hi);
+/// items) lies within `[lo, hi)`, the data area of the filesystem's size, and outside
+/// `holes` (its superblock copies).
+pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64, holes: &[(u64, u64)]) -> bool {
+    let inside = |start: u64, len: u64| {
+        start >= lo
+            && start
+                .checked_add(len)
+                .is_some_and(|e| e <= hi && holes.iter().all(|&(h, hl)| e <= h || start >= h + hl))
+    };
     ops.iter().all(|op| match op {
         LogOp::DataRef { bytenr, len, .. } => inside(*bytenr, *len),
         LogOp::Insert { tree: t, key, val } if *t == tree::CSUM => {
@@ -663,7 +668,8 @@ mod tests {
     }
 
     /// `within` takes a batch whose reference changes and checksummed blocks all lie
-    /// in the range, and refuses one with any of them reaching past either end.
+    /// in the range, and refuses one with any of them reaching past either end or
+    /// into a hole.
     #[test]
     fn within_checks_references_and_checksummed_blocks_against_the_range() {
         let csum = |at: u64, blocks: usize| LogOp::Insert {
@@ -676,19 +682,27 @@ mod tests {
             len,
             delta: 1,
         };
-        let (lo, hi) = (1 << 20, 64 << 20);
-        assert!(within(&[dref(lo, 4096), csum(hi - 8192, 2)], lo, hi));
-        assert!(!within(&[dref(lo - 4096, 4096)], lo, hi));
-        assert!(!within(&[dref(hi - 4096, 8192)], lo, hi));
-        assert!(!within(&[dref(u64::MAX - 4095, 8192)], lo, hi));
-        assert!(!within(&[dref(lo, 4096), csum(hi - 4096, 2)], lo, hi));
+        let (lo, hi) = (1 << 20, 96 << 20);
+        let holes = [(64 << 20, 4096)];
+        let ok = |ops: &[LogOp]| within(ops, lo, hi, &holes);
+        assert!(ok(&[dref(lo, 4096), csum(hi - 8192, 2)]));
+        assert!(ok(&[
+            dref((64 << 20) - 4096, 4096),
+            dref((64 << 20) + 4096, 4096)
+        ]));
+        assert!(!ok(&[dref(lo - 4096, 4096)]));
+        assert!(!ok(&[dref(hi - 4096, 8192)]));
+        assert!(!ok(&[dref(u64::MAX - 4095, 8192)]));
+        assert!(!ok(&[dref(lo, 4096), csum(hi - 4096, 2)]));
+        assert!(!ok(&[dref((64 << 20) - 4096, 8192)]));
+        assert!(!ok(&[csum(64 << 20, 1)]));
         // Other items name no data blocks.
         let other = LogOp::Insert {
             tree: tree::FS,
             key: Key::new(300, 1, u64::MAX),
             val: vec![0; 8],
         };
-        assert!(within(&[other], lo, hi));
+        assert!(ok(&[other]));
     }
 
     /// Writes `b` into the area image.

@@ -190,7 +190,8 @@ fn reserve_for(size: u64) -> u64 {
     (size / 32).clamp(4 << 20, 256 << 20)
 }
 
-fn super_holes(size: u64) -> Vec<(u64, u64)> {
+/// The superblock copies within a filesystem of `size` bytes: (address, length).
+pub(crate) fn super_holes(size: u64) -> Vec<(u64, u64)> {
     SUPER_OFFSETS
         .iter()
         .filter(|&&o| o + SUPER_SIZE as u64 <= size)

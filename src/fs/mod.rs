@@ -1365,20 +1365,22 @@ pub(crate) fn log_batches(
     let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr).is_ok();
     let n = found.len();
     let (lo, hi) = (start + len, sb.total_bytes);
+    let holes = crate::txn::super_holes(hi);
     let mut outside = false;
     let batches: Vec<_> = found
         .into_iter()
         .take_while(|b| {
             // No batch of this filesystem names blocks past its size: one that does
             // is damage, and replaying it would make extents no check accepts.
-            outside = !crate::log::within(b, lo, hi);
+            outside = !crate::log::within(b, lo, hi, &holes);
             !outside && crate::log::data_landed(b, &mut read)
         })
         .collect();
     if outside {
         tracing::warn!(
             "log replay stops at batch {} of {n}: it names blocks outside the \
-             filesystem's data area ({lo:#x}..{hi:#x}), so it is damaged",
+             filesystem's data area ({lo:#x}..{hi:#x}, less its superblock copies), so \
+             it is damaged",
             batches.len()
         );
     } else if batches.len() < n {
