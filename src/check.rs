@@ -639,7 +639,15 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
         }
     }
     match crate::fs::log_batches(dev, &sb, sb.generation + 1) {
-        Ok((b, _)) => w.rep.pending_log_batches = b.len(),
+        Ok(found) => {
+            w.rep.pending_log_batches = found.batches.len();
+            if let Some(n) = found.damaged {
+                w.problem(format!(
+                    "log batch {n} names blocks outside the data area: it is damaged, and \
+                     a mount replays only the {n} batches before it"
+                ));
+            }
+        }
         Err(e) => w.problem(format!("log area cannot be read: {e}")),
     }
     Ok(w.rep)

@@ -260,7 +260,7 @@ pub fn dump(dev: &dyn BlockDev, only: Option<&str>, out: &mut dyn Write) -> Resu
 /// record as the item it inserts, the key it deletes or the data reference it moves.
 fn dump_log(dev: &dyn BlockDev, sb: &crate::format::Superblock, out: &mut dyn Write) -> Result<()> {
     use crate::log::LogOp;
-    let (batches, _) = crate::fs::log_batches(dev, sb, sb.generation + 1)?;
+    let batches = crate::fs::log_batches(dev, sb, sb.generation + 1)?.batches;
     writeln!(
         out,
         "log: {} batches a mount would replay (generation {}, head {:#x})",

@@ -1331,15 +1331,26 @@ impl Drop for Fs {
     }
 }
 
+/// The log a mount would replay (see [`log_batches`]).
+pub(crate) struct FoundLog {
+    /// The batches, in order.
+    pub batches: Vec<Vec<crate::log::LogOp>>,
+    /// Bytes of the log area that the batches found take (also those not replayed).
+    pub used: u64,
+    /// Set when the log ends at a damaged batch (one naming blocks outside the data
+    /// area): its index.
+    pub damaged: Option<usize>,
+}
+
 /// The log batches a mount would replay on `dev` (superblock `sb`, running
 /// generation `generation`): those of the running generation, and of the next when
-/// a commit was in flight, up to the first whose data did not land; with the bytes
-/// of the log they take.
+/// a commit was in flight, up to the first whose data did not land or that is
+/// damaged.
 pub(crate) fn log_batches(
     dev: &dyn BlockDev,
     sb: &crate::format::Superblock,
     generation: u64,
-) -> Result<(Vec<Vec<crate::log::LogOp>>, u64)> {
+) -> Result<FoundLog> {
     let bs = crate::format::BLOCK_SIZE as usize;
     let (start, len, head) = (sb.log_start, sb.log_len, sb.log_head);
     // After a clean unmount the log of the running generation is empty: the block
@@ -1350,7 +1361,11 @@ pub(crate) fn log_batches(
     dev.read_at(&mut at_head, start + head)?;
     dev.read_at(&mut at_zero, start)?;
     if !crate::log::starts_a_log(&at_head, &at_zero, &sb.fsid, generation) {
-        return Ok((Vec::new(), 0));
+        return Ok(FoundLog {
+            batches: Vec::new(),
+            used: 0,
+            damaged: None,
+        });
     }
     let mut area = crate::log::DevArea::new(dev, start, len);
     let first = crate::log::parse(&mut area, &sb.fsid, generation, head)?;
@@ -1376,6 +1391,7 @@ pub(crate) fn log_batches(
             !outside && crate::log::data_landed(b, &mut read)
         })
         .collect();
+    let damaged = outside.then_some(batches.len());
     if outside {
         tracing::warn!(
             "log replay stops at batch {} of {n}: it names blocks outside the \
@@ -1390,7 +1406,11 @@ pub(crate) fn log_batches(
             batches.len()
         );
     }
-    Ok((batches, used))
+    Ok(FoundLog {
+        batches,
+        used,
+        damaged,
+    })
 }
 
 impl Inner {
@@ -1431,7 +1451,7 @@ impl Inner {
     /// returns how many. See `log`.
     fn replay_log(&mut self) -> Result<usize> {
         let st = &mut self.store;
-        let (batches, used) = log_batches(st.dev.as_ref(), &st.sb, st.generation)?;
+        let FoundLog { batches, used, .. } = log_batches(st.dev.as_ref(), &st.sb, st.generation)?;
         // New batches go after everything found, which stays as it is until the next
         // commit is durable: a crash before that replays the same.
         st.log.skip_found(used);

@@ -2792,8 +2792,8 @@ fn a_power_cut_during_a_grow_leaves_the_old_size_or_the_new() {
 }
 
 /// A log batch that names blocks past the filesystem's size is damage (no batch of
-/// this size can): replay stops before it, and what the batches before it hold is
-/// there, in trees that check clean.
+/// this size can): check and restore report it, replay stops before it, and what
+/// the batches before it hold is there, in trees that check clean.
 #[test]
 fn replay_stops_at_a_batch_naming_blocks_past_the_size() {
     let (mem, fs) = mk(96 * MB);
@@ -2832,6 +2832,29 @@ fn replay_stops_at_a_batch_naming_blocks_past_the_size() {
         }
     }
     let img = Arc::new(MemDev::from_image(image));
+    let problems = crate::check::check(img.as_ref()).unwrap().problems;
+    assert!(
+        problems.len() == 1 && problems[0].contains("damaged"),
+        "check does not report the damaged batch alone: {problems:?}"
+    );
+    // Restore takes a's file from the batch before and reports the damaged one.
+    let tmp = tempfile::tempdir().unwrap();
+    let rep = crate::restore::restore(
+        img.as_ref(),
+        &tmp.path().join("r"),
+        &crate::restore::RestoreOptions::default(),
+    )
+    .unwrap();
+    assert!(
+        rep.problems.len() == 1 && rep.problems[0].contains("damaged"),
+        "restore does not report the damaged batch alone: {:?}",
+        rep.problems
+    );
+    assert!(std::fs::read(tmp.path().join("r/a")).unwrap() == da);
+    assert!(
+        !tmp.path().join("r/b").exists(),
+        "restore replayed b's batch"
+    );
     let fs = Fs::open(img.clone(), Options::default()).unwrap();
     let a = fs.lookup_nopin(ROOT_INO, b"a").unwrap().ino;
     assert!(read_all(&fs, a) == da, "a, logged before, differs");

@@ -510,8 +510,18 @@ fn replay_log(
         return (fs_items, csum_items);
     };
     let batches = match crate::fs::log_batches(dev, sb, next) {
-        Ok((b, _)) if !b.is_empty() => b,
-        Ok(_) => return (fs_items, csum_items),
+        Ok(found) => {
+            if let Some(n) = found.damaged {
+                rep.problem(format!(
+                    "log batch {n} names blocks outside the data area: it is damaged; \
+                     the fsyncs it and the batches after it hold are not restored"
+                ));
+            }
+            if found.batches.is_empty() {
+                return (fs_items, csum_items);
+            }
+            found.batches
+        }
         Err(e) => {
             rep.problem(format!(
                 "log area cannot be read: {e}; the fsyncs since the last commit are not restored"
