@@ -2866,15 +2866,14 @@ fn replay_stops_at_a_batch_naming_blocks_past_the_size() {
     assert!(problems.is_empty(), "{problems:?}");
 }
 
-/// A grow's commit keeps the log to itself until it lands: an fsync of data that only
-/// the new space holds, made while that commit is written, waits for it. (A batch
-/// written before the new size is durable would name blocks past the old end, which a
-/// replay on the old size cannot take.) A power cut at any write from the grow on
-/// leaves an image that checks clean, with the file whole once its fsync returned.
-#[test]
-fn an_fsync_of_data_in_the_new_space_waits_for_the_grows_commit() {
+/// A 32 MiB filesystem holding empty files `first` (their inodes returned) and a file
+/// `big` that fills it, mounted on a 48 MiB crash-testing device it can grow into.
+fn full_with_room_to_grow(first: &[&[u8]]) -> (Arc<crate::dev::CrashDev>, Arc<Fs>, Vec<u64>) {
     let (mem, fs) = mk(32 * MB);
-    let new = fs.mknod(ROOT_INO, b"new", 0o644, 0, cr()).unwrap().ino;
+    let made = first
+        .iter()
+        .map(|n| fs.mknod(ROOT_INO, n, 0o644, 0, cr()).unwrap().ino)
+        .collect();
     let big = fs.mknod(ROOT_INO, b"big", 0o644, 0, cr()).unwrap().ino;
     let chunk = pattern(64 << 10, 1);
     let mut off = 0;
@@ -2886,6 +2885,18 @@ fn an_fsync_of_data_in_the_new_space_waits_for_the_grows_commit() {
     image.resize((48 * MB) as usize, 0);
     let dev = Arc::new(crate::dev::CrashDev::new(image));
     let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
+    (dev, fs, made)
+}
+
+/// A grow's commit keeps the log to itself until it lands: an fsync of data that only
+/// the new space holds, made while that commit is written, waits for it. (A batch
+/// written before the new size is durable would name blocks past the old end, which a
+/// replay on the old size cannot take.) A power cut at any write from the grow on
+/// leaves an image that checks clean, with the file whole once its fsync returned.
+#[test]
+fn an_fsync_of_data_in_the_new_space_waits_for_the_grows_commit() {
+    let (dev, fs, made) = full_with_room_to_grow(&[b"new"]);
+    let new = made[0];
     // More than the old size has free (its metadata reserve): some of it goes past
     // the old end.
     let data = pattern(8 << 20, 2);
@@ -2965,18 +2976,7 @@ fn an_fsync_of_data_in_the_new_space_waits_for_the_grows_commit() {
 /// file whose fsync had returned whole.
 #[test]
 fn a_power_cut_during_a_grow_in_use_keeps_every_fsynced_file() {
-    let (mem, fs) = mk(32 * MB);
-    let big = fs.mknod(ROOT_INO, b"big", 0o644, 0, cr()).unwrap();
-    let chunk = pattern(64 << 10, 1);
-    let mut off = 0;
-    while fs.write(big.ino, off, &chunk).is_ok() {
-        off += chunk.len() as u64;
-    }
-    fs.unmount().unwrap();
-    let mut image = mem.image();
-    image.resize((48 * MB) as usize, 0);
-    let dev = Arc::new(crate::dev::CrashDev::new(image));
-    let fs = Arc::new(Fs::open(dev.clone(), Options::default()).unwrap());
+    let (dev, fs, _) = full_with_room_to_grow(&[]);
     let start = dev.op_count();
     let (refused, was_refused) = std::sync::mpsc::channel();
     let writer = {
