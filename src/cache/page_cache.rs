@@ -156,8 +156,11 @@ pub(crate) struct PageCache {
     bytes: AtomicU64,
     /// Bytes of dirty blocks.
     dirty_bytes: AtomicU64,
-    /// Room held for data not counted dirty (see [`PageCache::hold`]).
-    held: AtomicU64,
+    /// Bytes of dirty blocks plus the room held for data not counted dirty (see
+    /// [`PageCache::hold`]), in one counter: bytes that move between the two (a
+    /// write's copy, a writeback's take) are added before they are subtracted, so a
+    /// read never finds them in neither, as two separate loads could.
+    promised: AtomicU64,
     tick: AtomicU64,
     /// Wakes the flusher when dirty data passes the background threshold.
     kick: (Mutex<bool>, Condvar),
@@ -184,13 +187,12 @@ impl Held<'_> {
     /// Holds `n` bytes more.
     pub(crate) fn add(&self, n: u64) {
         self.n.fetch_add(n, Ordering::Relaxed);
-        self.cache.held.fetch_add(n, Ordering::Relaxed);
+        self.cache.promised.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Releases what it holds now.
     pub(crate) fn release(&self) {
-        let n = self.n.swap(0, Ordering::Relaxed);
-        self.cache.held.fetch_sub(n, Ordering::Relaxed);
+        self.cache.unpromise(self.n.swap(0, Ordering::Relaxed));
     }
 }
 
@@ -222,7 +224,7 @@ impl PageCache {
             state: Mutex::new(State::default()),
             bytes: AtomicU64::new(0),
             dirty_bytes: AtomicU64::new(0),
-            held: AtomicU64::new(0),
+            promised: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             kick: (Mutex::new(false), Condvar::new()),
             spare: Mutex::new(Spare::default()),
@@ -374,7 +376,16 @@ impl PageCache {
     /// Bytes cached data holds room for (the delayed-allocation reservation): its
     /// dirty blocks and what [`PageCache::hold`] holds.
     pub(crate) fn promised_bytes(&self) -> u64 {
-        self.dirty_bytes() + self.held.load(Ordering::Relaxed)
+        self.promised.load(Ordering::Relaxed)
+    }
+
+    /// Takes `n` bytes off the promise (never below zero).
+    fn unpromise(&self, n: u64) {
+        let _ = self
+            .promised
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| {
+                Some(p.saturating_sub(n))
+            });
     }
 
     /// Holds room for `n` bytes of data not counted dirty, until the guard releases
@@ -382,7 +393,7 @@ impl PageCache {
     /// writeback took and has not yet found space for. Without it a write admitted
     /// meanwhile could take that room, and a writeback fail for want of it.
     pub(crate) fn hold(&self, n: u64) -> Held<'_> {
-        self.held.fetch_add(n, Ordering::Relaxed);
+        self.promised.fetch_add(n, Ordering::Relaxed);
         Held {
             cache: self,
             n: AtomicU64::new(n),
@@ -408,6 +419,8 @@ impl PageCache {
     /// the folio is listed again here).
     pub(crate) fn add_dirty(&self, ino: u64, idx: u64, blocks: usize) {
         self.dirty_bytes
+            .fetch_add(blocks as u64 * BS, Ordering::Relaxed);
+        self.promised
             .fetch_add(blocks as u64 * BS, Ordering::Relaxed);
         let mut st = self.state.lock();
         let d = st.dirty_inos.entry(ino).or_insert_with(|| DirtyInode {
@@ -450,11 +463,14 @@ impl PageCache {
 
     fn sub_dirty_locked(&self, st: &mut State, ino: u64, blocks: usize) {
         let n = blocks as u64 * BS;
-        let _ = self
+        let was = self
             .dirty_bytes
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
                 Some(d.saturating_sub(n))
-            });
+            })
+            .unwrap_or_default();
+        // What left the dirty count leaves the promise.
+        self.unpromise(was.min(n));
         if let Some(d) = st.dirty_inos.get_mut(&ino) {
             d.blocks = d.blocks.saturating_sub(blocks as u64);
         }
@@ -764,6 +780,40 @@ mod tests {
         let f = c.state.lock().folios.remove(&(2, 0)).unwrap();
         c.recycle(f);
         assert_eq!(c.get_or_create(3, 0, false).folio.lock().data.as_ptr(), w);
+    }
+
+    /// Bytes that move between held and dirty (a write's copy, a writeback's take)
+    /// stay promised at every moment a reader may look.
+    #[test]
+    fn bytes_moving_between_held_and_dirty_stay_promised() {
+        let c = cache(4 << 20);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let first = c.hold(BS);
+        std::thread::scope(|sc| {
+            let mover = sc.spawn(|| {
+                let mut h = first;
+                for _ in 0..200_000 {
+                    // A write's copy: dirty, then no longer held.
+                    c.add_dirty(1, 0, 1);
+                    drop(h);
+                    // A writeback's take: held, then no longer dirty.
+                    h = c.hold(BS);
+                    c.sub_dirty(1, 1);
+                }
+                stop.store(true, Ordering::Relaxed);
+                h
+            });
+            let mut looks = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let p = c.promised_bytes();
+                assert!(p >= BS, "promised {p} after {looks} looks");
+                looks += 1;
+            }
+            assert_eq!(c.promised_bytes(), BS);
+            drop(mover.join().unwrap());
+        });
+        assert_eq!(c.promised_bytes(), 0);
+        assert_eq!(c.dirty_bytes(), 0);
     }
 
     #[test]
