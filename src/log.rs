@@ -597,12 +597,17 @@ pub(crate) fn parse(
     Ok(out)
 }
 
-/// Whether every data block a batch names (in its reference changes and its checksum
-/// items) lies within `[lo, hi)`, the data area of the filesystem's size, and outside
-/// `holes` (its superblock copies).
+/// Whether every data block a batch names (in its reference changes, file extents
+/// and checksum items) lies within `[lo, hi)`, the data area of the filesystem's
+/// size, and outside `holes` (its superblock copies), as whole blocks: a range of
+/// no blocks, or not on block boundaries, or a file extent or checksum item of the
+/// wrong size, is refused too.
 pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64, holes: &[(u64, u64)]) -> bool {
     let inside = |start: u64, len: u64| {
-        start >= lo
+        len > 0
+            && start % BLOCK_SIZE == 0
+            && len % BLOCK_SIZE == 0
+            && start >= lo
             && start
                 .checked_add(len)
                 .is_some_and(|e| e <= hi && holes.iter().all(|&(h, hl)| e <= h || start >= h + hl))
@@ -610,11 +615,19 @@ pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64, holes: &[(u64, u64)]) -> b
     ops.iter().all(|op| match op {
         LogOp::DataRef { bytenr, len, .. } => inside(*bytenr, *len),
         LogOp::Insert { tree: t, key, val } if *t == tree::CSUM => {
-            inside(key.offset, (val.len() / 4) as u64 * BLOCK_SIZE)
+            val.len() % 4 == 0 && inside(key.offset, (val.len() / 4) as u64 * BLOCK_SIZE)
+        }
+        LogOp::Insert { key, val, .. } if key.ty == crate::format::kind::EXTENT_DATA => {
+            crate::format::FileExtent::read_from_bytes(val).is_ok_and(|fe| {
+                fe.disk_bytenr.get() == 0 || inside(fe.disk_bytenr.get(), fe.disk_len.get())
+            })
         }
         _ => true,
     })
 }
+
+/// Blocks [`data_landed`] reads at a time.
+const LANDED_CHUNK: usize = 64;
 
 /// Whether every data block a batch's checksum items describe holds that data.
 pub(crate) fn data_landed(ops: &[LogOp], read: &mut dyn FnMut(u64, &mut [u8]) -> bool) -> bool {
@@ -623,14 +636,19 @@ pub(crate) fn data_landed(ops: &[LogOp], read: &mut dyn FnMut(u64, &mut [u8]) ->
             if *t != tree::CSUM {
                 continue;
             }
-            let mut buf = vec![0u8; val.len() / 4 * BLOCK_SIZE as usize];
-            if !read(key.offset, &mut buf) {
-                return false;
-            }
-            for (i, blk) in buf.chunks(BLOCK_SIZE as usize).enumerate() {
-                let want = u32::from_le_bytes(val[i * 4..i * 4 + 4].try_into().unwrap());
-                if csum(blk) != want {
+            // A chunk at a time: the item's size is the batch's word, not a bound.
+            let bs = BLOCK_SIZE as usize;
+            let mut buf = vec![0u8; (val.len() / 4).min(LANDED_CHUNK) * bs];
+            for (c, sums) in val.chunks(LANDED_CHUNK * 4).enumerate() {
+                let n = sums.len() / 4;
+                let at = key.offset + (c * LANDED_CHUNK * bs) as u64;
+                if !read(at, &mut buf[..n * bs]) {
                     return false;
+                }
+                for (blk, want) in buf[..n * bs].chunks(bs).zip(sums.chunks_exact(4)) {
+                    if csum(blk) != u32::from_le_bytes(want.try_into().unwrap()) {
+                        return false;
+                    }
                 }
             }
         }
@@ -667,9 +685,10 @@ mod tests {
         });
     }
 
-    /// `within` takes a batch whose reference changes and checksummed blocks all lie
-    /// in the range, and refuses one with any of them reaching past either end or
-    /// into a hole.
+    /// `within` takes a batch whose reference changes, file extents and checksummed
+    /// blocks all lie in the range as whole blocks, and refuses one with any of them
+    /// reaching past either end or into a hole, off block boundaries, of no blocks,
+    /// or of the wrong size.
     #[test]
     fn within_checks_references_and_checksummed_blocks_against_the_range() {
         let csum = |at: u64, blocks: usize| LogOp::Insert {
@@ -703,6 +722,88 @@ mod tests {
             val: vec![0; 8],
         };
         assert!(ok(&[other]));
+        // Whole blocks only: not of none, nor off block boundaries.
+        assert!(!ok(&[dref(lo, 0)]));
+        assert!(!ok(&[dref(lo + 512, 4096)]));
+        assert!(!ok(&[dref(lo, 4096 + 512)]));
+        assert!(!ok(&[csum(lo, 0)]));
+        let odd = LogOp::Insert {
+            tree: tree::CSUM,
+            key: Key::new(objectid::CSUM, 128, lo),
+            val: vec![0; 6],
+        };
+        assert!(!ok(&[odd]));
+        // File extents name their disk extent (none for a hole), and must decode.
+        let fext = |bytenr: u64, len: u64| {
+            let fe = crate::format::FileExtent {
+                disk_bytenr: bytenr.into(),
+                disk_len: len.into(),
+                num_bytes: len.into(),
+                ..Default::default()
+            };
+            LogOp::Insert {
+                tree: tree::FS,
+                key: Key::new(300, crate::format::kind::EXTENT_DATA, 0),
+                val: fe.as_bytes().to_vec(),
+            }
+        };
+        assert!(ok(&[fext(lo, 8192), fext(0, 8192)]));
+        assert!(!ok(&[fext(hi, 4096)]));
+        assert!(!ok(&[fext(64 << 20, 4096)]));
+        assert!(!ok(&[fext(lo - 4096, 4096)]));
+        let LogOp::Insert { tree, key, mut val } = fext(lo, 4096) else {
+            unreachable!()
+        };
+        val.pop();
+        assert!(!ok(&[LogOp::Insert { tree, key, val }]));
+    }
+
+    /// `data_landed` checks every block of a checksum item, also one longer than
+    /// it reads at a time, and only the blocks the item names.
+    #[test]
+    fn data_landed_checks_every_block_of_long_items() {
+        let bs = BLOCK_SIZE as usize;
+        let blocks = LANDED_CHUNK * 2 + 3;
+        let at = 1 << 20;
+        let mut disk = vec![0u8; (at as usize) + (blocks + 1) * bs];
+        for (i, b) in disk[at as usize..].chunks_mut(bs).enumerate() {
+            b.fill(i as u8 + 1);
+        }
+        let sums: Vec<u8> = disk[at as usize..]
+            .chunks(bs)
+            .take(blocks)
+            .flat_map(|b| csum(b).to_le_bytes())
+            .collect();
+        let item = |val: Vec<u8>| {
+            [LogOp::Insert {
+                tree: tree::CSUM,
+                key: Key::new(objectid::CSUM, 128, at),
+                val,
+            }]
+        };
+        let mut reads = Vec::new();
+        let read = |disk: &[u8], off: u64, buf: &mut [u8], reads: &mut Vec<(u64, usize)>| {
+            reads.push((off, buf.len()));
+            buf.copy_from_slice(&disk[off as usize..off as usize + buf.len()]);
+            true
+        };
+        assert!(data_landed(&item(sums.clone()), &mut |o, b| read(
+            &disk, o, b, &mut reads
+        )));
+        assert_eq!(reads.len(), 3, "read in chunks: {reads:?}");
+        assert_eq!(
+            reads.iter().map(|r| r.1).sum::<usize>(),
+            blocks * bs,
+            "read past the item: {reads:?}"
+        );
+        // A block of the last chunk that did not land.
+        disk[at as usize + (blocks - 1) * bs] ^= 1;
+        assert!(!data_landed(&item(sums), &mut |o, b| read(
+            &disk,
+            o,
+            b,
+            &mut Vec::new()
+        )));
     }
 
     /// Writes `b` into the area image.
