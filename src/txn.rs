@@ -200,6 +200,19 @@ pub(crate) fn super_holes(size: u64) -> Vec<(u64, u64)> {
 }
 
 impl Store {
+    /// Whether `[addr, addr + len)` lies where this filesystem keeps data and tree
+    /// nodes: past the log area, within its size, off its superblock copies.
+    pub(crate) fn in_data_area(&self, addr: u64, len: u64) -> bool {
+        let size = self.sb.total_bytes;
+        addr >= self.sb.log_start + self.sb.log_len
+            && addr.checked_add(len).is_some_and(|e| {
+                e <= size
+                    && super_holes(size)
+                        .iter()
+                        .all(|&(h, hl)| e <= h || addr >= h + hl)
+            })
+    }
+
     /// A new, empty filesystem on `dev` (mkfs); the caller fills the fs tree and commits.
     pub(crate) fn create(dev: Arc<dyn BlockDev>, node_size: Option<u32>) -> Result<Store> {
         let size = dev.size() & !4095;

@@ -474,7 +474,34 @@ impl Inner {
             if s > pos {
                 out.extend(self.alloc_space(s - pos)?);
             }
-            let addr = fe.disk_bytenr.get() + fe.offset.get() + (s - foff);
+            // Written in place: only where this filesystem keeps data, whatever a
+            // damaged or hostile image says (never on its log or superblocks).
+            let addr = fe
+                .disk_bytenr
+                .get()
+                .checked_add(fe.offset.get())
+                .and_then(|a| a.checked_add(s - foff))
+                .filter(|&a| {
+                    fe.offset
+                        .get()
+                        .checked_add(e - foff)
+                        .is_some_and(|end| end <= fe.disk_len.get())
+                        && self.store.in_data_area(a, e - s)
+                })
+                .ok_or_else(|| {
+                    Error::corrupt(
+                        "file extent",
+                        ino,
+                        format!(
+                            "preallocated blocks at {}+{} (disk extent {}+{}) lie outside \
+                             the data area",
+                            fe.disk_bytenr.get(),
+                            fe.offset.get(),
+                            fe.disk_bytenr.get(),
+                            fe.disk_len.get()
+                        ),
+                    )
+                })?;
             let into = Some((fe.disk_bytenr.get(), fe.disk_len.get()));
             match out.last_mut() {
                 Some(p) if p.into == into && p.addr + p.len == addr => p.len += e - s,

@@ -3046,3 +3046,48 @@ fn a_power_cut_during_a_grow_in_use_keeps_every_fsynced_file() {
         vec![32 * MB, 48 * MB]
     );
 }
+
+/// A preallocated extent that a damaged or hostile image places on a superblock, in
+/// the log area or past the end is never written in place: the writeback fails
+/// (EIO at fsync, nothing panics) and those blocks keep what they held.
+#[test]
+fn writes_never_go_in_place_outside_the_data_area() {
+    use crate::format::{FileExtent, FILE_EXTENT_PREALLOC};
+    use zerocopy::{FromBytes, IntoBytes};
+    let (_, probe) = mk(64 * MB);
+    let (log_start, size) = probe
+        .with(|i| Ok((i.store.sb.log_start, i.store.sb.total_bytes)))
+        .unwrap();
+    drop(probe);
+    // The primary superblock, the log area, and a range that runs past the end.
+    for bad in [64 << 10, log_start, size - BS] {
+        let (dev, fs) = mk(64 * MB);
+        let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+        fs.fallocate(f, 0, 2 * BS, FallocMode::default()).unwrap();
+        fs.commit().unwrap();
+        let key = Key::new(f, kind::EXTENT_DATA, 0);
+        fs.with(|i| {
+            let (k, v) = i.store.seek_le(tree::FS, &key)?.unwrap();
+            assert_eq!(k, key);
+            let mut fe = FileExtent::read_from_bytes(&v).unwrap();
+            assert_eq!(fe.kind, FILE_EXTENT_PREALLOC);
+            fe.disk_bytenr = bad.into();
+            i.store.delete(tree::FS, &key)?;
+            i.store.insert(tree::FS, key, fe.as_bytes().to_vec())
+        })
+        .unwrap();
+        fs.unmount().unwrap();
+        let dev = Arc::new(MemDev::from_image(dev.image()));
+        let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+        let span = |img: &[u8]| img[bad as usize..(bad + 2 * BS).min(size) as usize].to_vec();
+        let before = span(&dev.image());
+        fs.write(f, 0, &pattern(2 * BS as usize, 7)).unwrap();
+        let r = fs.fsync(f, false);
+        assert!(
+            matches!(r, Err(Error::Corrupt { .. })),
+            "extent at {bad}: {r:?}"
+        );
+        assert_eq!(span(&dev.image()), before, "blocks at {bad} were written");
+        drop(fs);
+    }
+}
