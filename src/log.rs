@@ -607,10 +607,7 @@ pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64, holes: &[(u64, u64)]) -> b
         len > 0
             && start % BLOCK_SIZE == 0
             && len % BLOCK_SIZE == 0
-            && start >= lo
-            && start
-                .checked_add(len)
-                .is_some_and(|e| e <= hi && holes.iter().all(|&(h, hl)| e <= h || start >= h + hl))
+            && crate::txn::in_range(start, len, lo, hi, holes)
     };
     ops.iter().all(|op| match op {
         LogOp::DataRef { bytenr, len, .. } => inside(*bytenr, *len),

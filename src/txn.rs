@@ -199,18 +199,22 @@ pub(crate) fn super_holes(size: u64) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Whether `[start, start + len)` lies within `[lo, hi)` and off every `(at, len)`
+/// of `holes`.
+pub(crate) fn in_range(start: u64, len: u64, lo: u64, hi: u64, holes: &[(u64, u64)]) -> bool {
+    start >= lo
+        && start
+            .checked_add(len)
+            .is_some_and(|e| e <= hi && holes.iter().all(|&(h, hl)| e <= h || start >= h + hl))
+}
+
 impl Store {
     /// Whether `[addr, addr + len)` lies where this filesystem keeps data and tree
     /// nodes: past the log area, within its size, off its superblock copies.
     pub(crate) fn in_data_area(&self, addr: u64, len: u64) -> bool {
         let size = self.sb.total_bytes;
-        addr >= self.sb.log_start + self.sb.log_len
-            && addr.checked_add(len).is_some_and(|e| {
-                e <= size
-                    && super_holes(size)
-                        .iter()
-                        .all(|&(h, hl)| e <= h || addr >= h + hl)
-            })
+        let lo = self.sb.log_start + self.sb.log_len;
+        in_range(addr, len, lo, size, &super_holes(size))
     }
 
     /// A new, empty filesystem on `dev` (mkfs); the caller fills the fs tree and commits.
