@@ -51,8 +51,8 @@ fn kill_9_during_large_fsyncs_on_a_loop_device_loses_nothing_acknowledged() {
 
 #[test]
 fn kill_9_during_fsyncs_with_a_log_past_the_second_superblock_copy_loses_nothing_acknowledged() {
-    // 8 GiB: the log is 256 MiB and starts past the copy at 64 MiB.
-    let mut m = Mount::with_size("8G");
+    // 4 GiB: the log is 256 MiB and starts past the copy at 64 MiB.
+    let mut m = Mount::with_size("4G");
     kill_9_rounds(&mut m, false);
     let out = birchfs(["dump", m.image().to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);

@@ -43,7 +43,7 @@ pub const LOG_START: u64 = 1 << 20;
 /// just past that copy (what lies before it stays unused).
 pub const LOG_START_HIGH: u64 = SUPER_OFFSETS[1] + (64 << 10);
 /// Largest log area.
-pub const LOG_MAX: u64 = 256 << 20;
+pub const LOG_MAX: u64 = 512 << 20;
 /// Smallest device mkfs accepts.
 pub const MIN_DEVICE_SIZE: u64 = 32 << 20;
 /// Longest name in a directory.

@@ -215,7 +215,8 @@ mod tests {
             |s| {
                 s.log_start = super::super::LOG_START_HIGH;
                 s.log_len = super::super::LOG_MAX + 4096;
-                s.root_tree = 1 << 29;
+                s.root_tree = 1 << 30;
+                s.total_bytes = 2 << 30;
             },
             |s| s.log_start = 2 << 20,
             |s| s.log_start = super::super::SUPER_OFFSETS[1],
@@ -239,7 +240,8 @@ mod tests {
         let mut sb = sample();
         sb.log_start = super::super::LOG_START_HIGH;
         sb.log_len = super::super::LOG_MAX;
-        sb.root_tree = 1 << 29;
+        sb.root_tree = 1 << 30;
+        sb.total_bytes = 2 << 30;
         assert_eq!(Superblock::decode(&sb.encode(65536), 65536).unwrap(), sb);
         // Its tree root may not lie in it.
         sb.root_tree = super::super::LOG_START_HIGH + 4096;

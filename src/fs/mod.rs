@@ -709,8 +709,9 @@ impl Fs {
         self.log_sync(target)
     }
 
-    /// Commits when the log area is over three quarters full, so that fsyncs keep
-    /// finding room in it; servers call this after answering the fsyncs of a batch.
+    /// Commits when the log area is nearly full (see `LogBuffer::wants_commit`), so
+    /// that fsyncs keep finding room in it; servers call this after answering the
+    /// fsyncs of a batch.
     pub fn commit_if_log_full(&self) -> Result<()> {
         if self.inner.lock().store.log.wants_commit() {
             self.commit_tree()?;

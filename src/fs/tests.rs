@@ -1742,7 +1742,7 @@ fn library_creates_inherit_the_default_acl() {
 }
 
 /// Mounting after a crash reads the log batches that are there, not the whole log
-/// area (up to 256 MiB on a large image), and replays them.
+/// area (up to 512 MiB on a large image), and replays them.
 #[test]
 fn a_crash_mount_reads_the_log_it_replays_not_the_whole_area() {
     /// A device that counts the bytes read in a range.
