@@ -707,15 +707,26 @@ fn exit_for(problems: &[String]) -> ExitCode {
 
 /// Opens the image, waiting up to 10 s while another process holds its lock: after
 /// `umount` the previous daemon still finishes its last commit before it lets go
-/// (used by every command that opens an image).
+/// (used by every command that opens an image). An image that is mounted (itself,
+/// through a loop device, or under one) is refused at once, naming the mount.
 fn open_when_free(image: &Path, writable: bool) -> std::io::Result<FileDev> {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         match FileDev::open(image, writable) {
-            Err(e)
-                if e.kind() == std::io::ErrorKind::WouldBlock
-                    && std::time::Instant::now() < deadline =>
-            {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(point) = cli::umount::mount_storing_in(image) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::WouldBlock,
+                        format!(
+                            "{} is in use by the birchfs mounted at {}",
+                            image.display(),
+                            point.display()
+                        ),
+                    ));
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(e);
+                }
                 std::thread::sleep(Duration::from_millis(50));
             }
             r => return r,

@@ -3751,7 +3751,11 @@ fn mount_refuses_an_image_that_is_already_mounted() {
         describe(&out)
     );
     assert!(!second, "the image got mounted twice");
-    assert!(!out.stderr.is_empty(), "no message for the refused mount");
+    fails_saying(
+        &out,
+        &format!("in use by the birchfs mounted at {}", m.root().display()),
+        "second mount of a mounted image",
+    );
     assert_eq!(fs::read(m.path("f")).unwrap(), b"first mount");
     fs::write(m.path("g"), b"still works").unwrap();
     m.remount();
@@ -4198,9 +4202,10 @@ fn an_image_and_a_loop_device_over_it_are_not_mounted_twice() {
     fs::create_dir(&dir).unwrap();
     let _c = UnmountOnDrop(dir.clone());
     let out = cli(&["mount".as_ref(), backing.as_os_str(), dir.as_os_str()]);
+    // Refused at once, naming the mount (not after waiting for a daemon to finish).
     fails_saying(
         &out,
-        "in use",
+        &format!("in use by the birchfs mounted at {}", m.root().display()),
         "mount of the file under a mounted loop device",
     );
     assert!(!is_mounted_at(&dir));
@@ -4215,7 +4220,7 @@ fn an_image_and_a_loop_device_over_it_are_not_mounted_twice() {
     let out = m.try_mount(&[]);
     fails_saying(
         &out,
-        "is a loop device over",
+        &format!("in use by the birchfs mounted at {}", dir.display()),
         "mount of the loop device over a mounted file",
     );
     let out = cli(&["umount".as_ref(), dir.as_os_str()]);

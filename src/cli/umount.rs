@@ -110,6 +110,42 @@ pub(crate) fn image_mount(image: &Path) -> Option<PathBuf> {
     mount_of_image(&read_mountinfo().ok()?, image)
 }
 
+/// What a path stores its data in: a file (device and inode numbers), or a block
+/// device (its number); a loop device stands for the file under it.
+#[derive(Debug, PartialEq, Eq)]
+enum Storage {
+    File(u64, u64),
+    Device(u64),
+}
+
+/// The [`Storage`] behind `path`; `None` when it cannot be looked at (gone, say).
+fn storage_of(path: &Path) -> Option<Storage> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::metadata(path).ok()?;
+    if let Some(under) = birchfs::dev::loop_backing_file(&meta) {
+        if let Ok(m) = std::fs::metadata(under) {
+            return Some(Storage::File(m.dev(), m.ino()));
+        }
+    }
+    Some(if meta.file_type().is_block_device() {
+        Storage::Device(meta.rdev())
+    } else {
+        Storage::File(meta.dev(), meta.ino())
+    })
+}
+
+/// Where a birchfs that stores its data where `image` does is mounted: `image`
+/// itself, a loop device over it, or the file under it when it is a loop device.
+/// `None` also when the mount table cannot be read.
+pub(crate) fn mount_storing_in(image: &Path) -> Option<PathBuf> {
+    let want = storage_of(image)?;
+    let info = read_mountinfo().ok()?;
+    let point = mounts(&info)
+        .find(|m| m.image.as_deref().and_then(storage_of).as_ref() == Some(&want))
+        .map(|m| m.point);
+    point
+}
+
 /// The image of the birchfs mounted at `mountpoint` (the top mount there, if stacked).
 pub(crate) fn mounted_image(mountinfo: &[u8], mountpoint: &Path) -> Option<PathBuf> {
     top_mount(mountinfo, mountpoint)?.1
@@ -542,6 +578,28 @@ pub(crate) fn umount(mountpoint: &Path, timeout: Option<Duration>) -> Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file and a hard link to it store in the same place, another file or a block
+    /// device does not, and a path that is gone stores nowhere.
+    #[test]
+    fn storage_follows_the_file_not_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b, c) = (
+            dir.path().join("a"),
+            dir.path().join("b"),
+            dir.path().join("c"),
+        );
+        std::fs::write(&a, b"x").unwrap();
+        std::fs::hard_link(&a, &b).unwrap();
+        std::fs::write(&c, b"y").unwrap();
+        let sa = storage_of(&a).unwrap();
+        assert_eq!(storage_of(&b), Some(sa));
+        assert_ne!(storage_of(&c), storage_of(&a));
+        assert_eq!(storage_of(&dir.path().join("gone")), None);
+        if let Some(Storage::Device(_)) = storage_of(Path::new("/dev/null")) {
+            panic!("/dev/null is a character device, not a block device");
+        }
+    }
 
     /// The image comes from the last birchfs mount on that path, with mountinfo's
     /// octal escapes undone; other filesystems and other paths give nothing.

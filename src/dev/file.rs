@@ -330,19 +330,28 @@ impl FileDev {
     }
 }
 
+/// The file under the loop device whose metadata is `meta`, as the kernel names it;
+/// `None` for any other device or file.
+pub fn loop_backing_file(meta: &std::fs::Metadata) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    if !meta.file_type().is_block_device() {
+        return None;
+    }
+    let rdev = meta.rdev();
+    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+    let sys = format!("/sys/dev/block/{major}:{minor}/loop/backing_file");
+    let name = std::fs::read_to_string(sys).ok()?;
+    Some(name.trim_end_matches('\n').into())
+}
+
 /// For a loop device, opens and locks its backing file (named in sysfs) as
 /// [`FileDev::open`] locks an image: fails with `WouldBlock` if a mount of that file
 /// holds it. Nothing for other devices, or a backing file that is gone.
 fn lock_backing(path: &Path, meta: &std::fs::Metadata) -> io::Result<Option<File>> {
-    use std::os::unix::fs::MetadataExt;
-    let rdev = meta.rdev();
-    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
-    let sys = format!("/sys/dev/block/{major}:{minor}/loop/backing_file");
-    let Ok(name) = std::fs::read_to_string(&sys) else {
+    let Some(name) = loop_backing_file(meta) else {
         return Ok(None);
     };
-    let name = name.trim_end_matches('\n');
-    let Ok(f) = File::open(name) else {
+    let Ok(f) = File::open(&name) else {
         return Ok(None);
     };
     // SAFETY: flock on a valid fd owned by `f`.
@@ -352,8 +361,9 @@ fn lock_backing(path: &Path, meta: &std::fs::Metadata) -> io::Result<Option<File
             return Err(io::Error::new(
                 io::ErrorKind::WouldBlock,
                 format!(
-                    "{} is a loop device over {name}, which is in use (mounted?)",
-                    path.display()
+                    "{} is a loop device over {}, which is in use (mounted?)",
+                    path.display(),
+                    name.display()
                 ),
             ));
         }

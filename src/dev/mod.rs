@@ -7,7 +7,7 @@ mod mem;
 
 pub use aligned::AlignedBuf;
 pub use crash::{CrashDev, CrashOp};
-pub use file::FileDev;
+pub use file::{loop_backing_file, FileDev};
 pub use mem::{MemDev, DISCARDED};
 
 use std::io;
