@@ -1582,28 +1582,46 @@ fn seed(n: u64) -> u64 {
     }
 }
 
-#[test]
-fn known_hard_cases_survive_every_power_cut() {
+/// Runs every `parts`-th of the known hard cases from `first` on, each recorded once
+/// (with every run a commit frees discarded, `-o discard=4K`, when `discard`), through
+/// its power cuts; returns the crash states checked. The cases are split over
+/// several tests so that the test threads share them.
+fn hard_cases_survive(first: usize, parts: usize, discard: bool, seed_n: u64) -> usize {
     let base = base_image();
-    let mut rng = StdRng::seed_from_u64(seed(1));
+    let mut rng = StdRng::seed_from_u64(seed(seed_n));
     let per_gap = if long() { 24 } else { 6 };
     let mut total = 0;
-    for (name, ops) in hard_cases() {
-        let (dev, run) = record(&base, ops);
+    for (name, ops) in hard_cases().into_iter().skip(first).step_by(parts) {
+        let (dev, run) = record_with(&base, ops, discard.then_some(4096));
         let n = crash_states(&dev, std::slice::from_ref(&run), &mut rng, per_gap);
-        eprintln!("{name}: {n} crash states");
+        let how = if discard { ", online discard" } else { "" };
+        eprintln!("{name}{how}: {n} crash states");
         total += n;
     }
-    // Every other one (all in the long run) once more with every run a commit frees
-    // discarded (`-o discard=4K`).
-    for (name, ops) in hard_cases().into_iter().step_by(if long() { 1 } else { 2 }) {
-        let (dev, run) = record_with(&base, ops, Some(4096));
-        let n = crash_states(&dev, std::slice::from_ref(&run), &mut rng, per_gap);
-        eprintln!("{name}, online discard: {n} crash states");
-        total += n;
-    }
-    eprintln!("hard cases: {total} crash states checked");
-    assert!(total > 200, "too few crash states: {total}");
+    total
+}
+
+#[test]
+fn known_hard_cases_survive_every_power_cut() {
+    let total = hard_cases_survive(0, 2, false, 1);
+    eprintln!("hard cases, first half: {total} crash states checked");
+    assert!(total > 500, "too few crash states: {total}");
+}
+
+#[test]
+fn known_hard_cases_survive_every_power_cut_second_half() {
+    let total = hard_cases_survive(1, 2, false, 3);
+    eprintln!("hard cases, second half: {total} crash states checked");
+    assert!(total > 500, "too few crash states: {total}");
+}
+
+/// Every other hard case (all in the long run) once more, with every run a commit
+/// frees discarded.
+#[test]
+fn known_hard_cases_survive_every_power_cut_with_online_discard() {
+    let total = hard_cases_survive(0, if long() { 1 } else { 2 }, true, 5);
+    eprintln!("hard cases, online discard: {total} crash states checked");
+    assert!(total > 500, "too few crash states: {total}");
 }
 
 /// Kinds of operation [`random_op`] makes.
