@@ -37,8 +37,9 @@ mount: deps build
 FUSE_SUITES := --test posix --test data --test cache --test faults --test reflink --test snapshots
 DIRECT_SUITES := --test posix --test data --test faults --test reflink --test snapshots
 URING_PARAM := /sys/module/fuse/parameters/enable_uring
+# No separate `cargo build` first: `cargo test` builds the binaries the tests run, with
+# the dev-dependencies' features, so a plain build would compile most crates twice.
 test: deps
-	$(CARGO) build --release
 	@was=$$(cat $(URING_PARAM) 2>/dev/null); status=0; \
 	 $(CARGO) test --release -- --test-threads=2 || status=$$?; \
 	 if [ $$status = 0 ]; then \
