@@ -3763,6 +3763,36 @@ fn mount_refuses_an_image_that_is_already_mounted() {
     m.unmount();
 }
 
+/// A dead mount of the image (its daemon killed, the mount left behind) does not
+/// count as the image being mounted: the refusal names the live mount.
+#[test]
+fn a_refused_mount_names_the_live_mount_not_a_dead_one() {
+    let mut m = Mount::new();
+    m.kill_daemon_leaving_its_mount();
+    let live = m.host_dir().join("live");
+    let third = m.host_dir().join("third");
+    fs::create_dir(&live).unwrap();
+    fs::create_dir(&third).unwrap();
+    let _g = UnmountOnDrop(live.clone());
+    let out = cli(&["mount".as_ref(), m.image().as_os_str(), live.as_os_str()]);
+    assert!(
+        out.status.success(),
+        "mount after the kill:\n{}",
+        describe(&out)
+    );
+    let out = cli(&["mount".as_ref(), m.image().as_os_str(), third.as_os_str()]);
+    fails_saying(
+        &out,
+        &format!("in use by the birchfs mounted at {}", live.display()),
+        "a third mount",
+    );
+    assert!(!is_mounted_at(&third));
+    let out = cli(&["umount".as_ref(), live.as_os_str()]);
+    assert!(out.status.success(), "umount:\n{}", describe(&out));
+    let _ = Command::new("umount").arg("-l").arg(m.root()).status();
+    m.mark_unmounted();
+}
+
 #[test]
 fn mount_refuses_a_file_that_is_not_birchfs() {
     let mut m = Mount::bare();

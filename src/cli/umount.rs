@@ -118,30 +118,48 @@ enum Storage {
     Device(u64),
 }
 
-/// The [`Storage`] behind `path`; `None` when it cannot be looked at (gone, say).
-fn storage_of(path: &Path) -> Option<Storage> {
+/// The [`Storage`] of a file or device with metadata `meta`, itself.
+fn storage_in(meta: &std::fs::Metadata) -> Storage {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    let meta = std::fs::metadata(path).ok()?;
-    if let Some(under) = birchfs::dev::loop_backing_file(&meta) {
-        if let Ok(m) = std::fs::metadata(under) {
-            return Some(Storage::File(m.dev(), m.ino()));
-        }
-    }
-    Some(if meta.file_type().is_block_device() {
+    if meta.file_type().is_block_device() {
         Storage::Device(meta.rdev())
     } else {
         Storage::File(meta.dev(), meta.ino())
-    })
+    }
 }
 
-/// Where a birchfs that stores its data where `image` does is mounted: `image`
-/// itself, a loop device over it, or the file under it when it is a loop device.
-/// `None` also when the mount table cannot be read.
+/// The [`Storage`] behind `path`; `None` when it cannot be looked at (gone, say).
+fn storage_of(path: &Path) -> Option<Storage> {
+    let meta = std::fs::metadata(path).ok()?;
+    let under = birchfs::dev::loop_backing_file(&meta).and_then(|f| std::fs::metadata(f).ok());
+    Some(storage_in(under.as_ref().unwrap_or(&meta)))
+}
+
+/// Where a live birchfs that stores its data where `image` does is mounted: `image`
+/// itself, a loop device over it, or the file under it when it is a loop device (the
+/// latest such mount; one whose daemon is gone does not count). Only mounts of a
+/// device or of a file of the same name are looked at, so that a hung mount
+/// elsewhere cannot stall this. `None` also when the mount table cannot be read.
 pub(crate) fn mount_storing_in(image: &Path) -> Option<PathBuf> {
     let want = storage_of(image)?;
+    let mut names = vec![image.file_name()?.to_owned()];
+    if let Some(under) = std::fs::metadata(image)
+        .ok()
+        .and_then(|m| birchfs::dev::loop_backing_file(&m))
+    {
+        names.extend(under.file_name().map(|n| n.to_owned()));
+    }
     let info = read_mountinfo().ok()?;
     let point = mounts(&info)
-        .find(|m| m.image.as_deref().and_then(storage_of).as_ref() == Some(&want))
+        .rev()
+        .filter(|m| {
+            m.image.as_deref().is_some_and(|i| {
+                i.starts_with("/dev/")
+                    || i.file_name().is_some_and(|n| names.iter().any(|x| x == n))
+            })
+        })
+        .filter(|m| m.image.as_deref().and_then(storage_of).as_ref() == Some(&want))
+        .find(|m| refuse_dead_mount(&m.point).is_ok())
         .map(|m| m.point);
     point
 }
