@@ -39,3 +39,4 @@ pub use fs::{
     TimeSet, INODES_PER_BLOCK, ROOT_INO, SNAPSHOTS_INO, SNAPSHOTS_NAME,
 };
 pub use stats::{Histogram, LatencySummary, Stats, StatsSnapshot};
+pub use txn::log_area_sized;

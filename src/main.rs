@@ -53,6 +53,10 @@ enum Cmd {
         /// Owner of the root directory, as UID:GID; default: the user running mkfs
         #[arg(long, value_name = "UID:GID")]
         root_owner: Option<String>,
+        /// Size of the log area that fsyncs write to (1M to 512M, at most half the
+        /// image); default: 1/16 of the image, 2 MiB to 512 MiB
+        #[arg(long, value_name = "SIZE")]
+        log_size: Option<String>,
         /// Image file or block device
         image: PathBuf,
     },
@@ -623,6 +627,15 @@ fn mkfs_on(
             image.display()
         );
     }
+    if let Some(len) = opts.log_size {
+        let target = if is_file {
+            want
+        } else {
+            birchfs::dev::BlockDev::size(&dev)
+        };
+        birchfs::log_area_sized(target & !4095, len)
+            .with_context(|| format!("--log-size {len}: nothing written"))?;
+    }
     if resize && meta.len() != want {
         dev.resize(want)
             .with_context(|| format!("cannot size {}", image.display()))?;
@@ -847,9 +860,11 @@ fn run() -> Result<ExitCode> {
             node_size,
             preallocate,
             root_owner,
+            log_size,
             image,
         } => {
             init_logging(None)?;
+            let log_size = log_size.as_deref().map(parse_size).transpose()?;
             let root_owner = match root_owner {
                 Some(o) => parse_owner(&o)?,
                 // SAFETY: geteuid and getegid have no preconditions.
@@ -858,6 +873,7 @@ fn run() -> Result<ExitCode> {
             let opts = MkfsOptions {
                 node_size,
                 root_owner,
+                log_size,
             };
             mkfs(&image, size, force, &opts, preallocate)?;
         }

@@ -40,8 +40,8 @@ use crate::format::{
     decode_node, encode_node, kind, objectid, root_flag, tree, ExtentItem, FileExtent, Key,
     NodeBody, NodeHeader, RootItem, SnapshotItem, SnapshotMeta, Superblock, Timespec,
     DEFAULT_NODE_SIZE, EXTENT_FLAG_DATA, EXTENT_FLAG_TREE, INCOMPAT_BASE, INCOMPAT_CSUM_PIECES,
-    INCOMPAT_LOG_RING, LOG_MAX, LOG_START, LOG_START_HIGH, MAX_ITEM_SIZE, MIN_DEVICE_SIZE,
-    SUPER_OFFSETS, SUPER_SIZE,
+    INCOMPAT_LARGE_LOG, INCOMPAT_LOG_RING, LOG_MAX, LOG_MAX_PLAIN, LOG_START, LOG_START_HIGH,
+    MAX_ITEM_SIZE, MIN_DEVICE_SIZE, SUPER_OFFSETS, SUPER_SIZE,
 };
 use crate::log::{LogBuffer, LogOp};
 use crate::stats::Stats;
@@ -177,6 +177,28 @@ fn random_fsid() -> [u8; 16] {
 /// nodes; with 256 MiB, 8% and 5% more throughput; with 512 MiB, 6-7 full commits
 /// became 2-3 and tree nodes went from 0.15-0.20 to 0.07-0.12 bytes per byte fio
 /// wrote over io_uring).
+/// The log area (start, length) of `len` bytes that mkfs asks for on a device of
+/// `size` bytes, or why it cannot be: whole blocks, 1 MiB to [`LOG_MAX`], below the
+/// second superblock copy when it fits there, and at most half the device.
+pub fn log_area_sized(size: u64, len: u64) -> Result<(u64, u64)> {
+    if len % 4096 != 0 || !(1 << 20..=LOG_MAX).contains(&len) {
+        return Err(Error::Invalid(
+            "log size must be whole 4 KiB blocks from 1 MiB to 512 MiB",
+        ));
+    }
+    let start = if len <= SUPER_OFFSETS[1] - LOG_START {
+        LOG_START
+    } else {
+        LOG_START_HIGH
+    };
+    if start + len > size / 2 {
+        return Err(Error::Invalid(
+            "log area would take more than half the device",
+        ));
+    }
+    Ok((start, len))
+}
+
 fn log_area_for(size: u64) -> (u64, u64) {
     let len = (size / 16) & !4095;
     if len >= 128 << 20 {
@@ -221,20 +243,32 @@ impl Store {
     }
 
     /// A new, empty filesystem on `dev` (mkfs); the caller fills the fs tree and commits.
-    pub(crate) fn create(dev: Arc<dyn BlockDev>, node_size: Option<u32>) -> Result<Store> {
+    pub(crate) fn create(
+        dev: Arc<dyn BlockDev>,
+        node_size: Option<u32>,
+        log_size: Option<u64>,
+    ) -> Result<Store> {
         let size = dev.size() & !4095;
         if size < MIN_DEVICE_SIZE {
             return Err(Error::Invalid("device smaller than 32 MiB"));
         }
+        let (log_start, log_len) = match log_size {
+            Some(len) => log_area_sized(size, len)?,
+            None => log_area_for(size),
+        };
         let node_size = node_size.unwrap_or(DEFAULT_NODE_SIZE);
         if !node_size.is_power_of_two() || !(4096..=65536).contains(&node_size) {
             return Err(Error::Invalid(
                 "node size must be a power of two from 4K to 64K",
             ));
         }
-        let (log_start, log_len) = log_area_for(size);
+        let large_log = if log_len > LOG_MAX_PLAIN {
+            INCOMPAT_LARGE_LOG
+        } else {
+            0
+        };
         let sb = Superblock {
-            incompat: INCOMPAT_BASE | INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES,
+            incompat: INCOMPAT_BASE | INCOMPAT_LOG_RING | INCOMPAT_CSUM_PIECES | large_log,
             compat: 0,
             fsid: random_fsid(),
             generation: 0,
@@ -1333,6 +1367,32 @@ mod tests {
         assert_eq!(cache_nodes(24 << 30, 16384), 32768);
         assert_eq!(cache_nodes(1 << 30, 65536), 1024);
         assert_eq!(cache_nodes(1 << 30, 4096), 16384);
+    }
+
+    /// mkfs's `log_size` is placed below the second superblock copy when it fits
+    /// there, past it otherwise, and refused off whole blocks, out of 1 MiB to
+    /// [`LOG_MAX`], or over half the device.
+    #[test]
+    fn a_log_size_asked_for_is_placed_or_refused() {
+        const M: u64 = 1 << 20;
+        const G: u64 = 1 << 30;
+        assert_eq!(log_area_sized(32 * M, M).unwrap(), (LOG_START, M));
+        assert_eq!(log_area_sized(G, 63 * M).unwrap(), (LOG_START, 63 * M));
+        assert_eq!(log_area_sized(G, 64 * M).unwrap(), (LOG_START_HIGH, 64 * M));
+        assert_eq!(
+            log_area_sized(8 * G, LOG_MAX).unwrap(),
+            (LOG_START_HIGH, LOG_MAX)
+        );
+        for (size, len) in [
+            (G, M - 4096),
+            (G, M + 1),
+            (8 * G, LOG_MAX + 4096),
+            (32 * M, 15 * M + 4096),
+            (G, 512 * M),
+        ] {
+            assert!(log_area_sized(size, len).is_err(), "{size} {len}");
+        }
+        assert!(log_area_sized(32 * M, 15 * M).is_ok());
     }
 
     #[test]

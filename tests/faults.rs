@@ -51,16 +51,19 @@ fn kill_9_during_large_fsyncs_on_a_loop_device_loses_nothing_acknowledged() {
 
 #[test]
 fn kill_9_during_fsyncs_with_a_log_past_the_second_superblock_copy_loses_nothing_acknowledged() {
-    // 4 GiB: the log is 256 MiB and starts past the copy at 64 MiB.
-    let mut m = Mount::with_size("4G");
-    kill_9_rounds(&mut m, false);
-    let out = birchfs(["dump", m.image().to_str().unwrap()]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains(&format!("log {:#x}+{}", (64 << 20) + (64 << 10), 256 << 20)),
-        "{}",
-        describe(&out)
-    );
+    // 4 GiB: the log is 256 MiB and starts past the copy at 64 MiB; 8 GiB: 512 MiB,
+    // the largest, which older builds refuse by a feature flag.
+    for (size, log) in [("4G", 256u64 << 20), ("8G", 512 << 20)] {
+        let mut m = Mount::with_size(size);
+        kill_9_rounds(&mut m, false);
+        let out = birchfs(["dump", m.image().to_str().unwrap()]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(&format!("log {:#x}+{log}", (64 << 20) + (64 << 10))),
+            "{size}: {}",
+            describe(&out)
+        );
+    }
 }
 
 /// Lets the `workers` run for `wait`, kills the daemon (kill -9) under them, stops them

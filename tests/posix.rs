@@ -4260,6 +4260,38 @@ fn an_image_and_a_loop_device_over_it_are_not_mounted_twice() {
     m.unmount();
 }
 
+/// `mkfs --log-size` makes a log of that size, which fsyncs use and a mount after a
+/// crash replays; a size mkfs cannot place is refused before anything is written.
+#[test]
+fn mkfs_log_size_sets_the_log_area_or_is_refused_untouched() {
+    let mut m = Mount::bare();
+    let out = m.mkfs(&["--size", "256M", "--log-size", "3M"]);
+    assert!(
+        out.status.success(),
+        "mkfs --log-size 3M:\n{}",
+        describe(&out)
+    );
+    let dump = cli(&["dump".as_ref(), m.image().as_os_str()]);
+    let text = String::from_utf8_lossy(&dump.stdout);
+    assert!(text.contains("log 0x100000+3145728"), "{}", describe(&dump));
+    m.mount_with(&[]);
+    fs::write(m.path("f"), b"logged").unwrap();
+    File::open(m.path("f")).unwrap().sync_all().unwrap();
+    m.kill_daemon();
+    m.mount_with(&[]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"logged");
+    m.unmount();
+    let before = fs::read(m.image()).unwrap();
+    for bad in ["200M", "1000", "513M", "0"] {
+        let out = m.mkfs(&["--force", "--log-size", bad]);
+        fails_saying(&out, "--log-size", &format!("mkfs --log-size {bad}"));
+        assert!(
+            fs::read(m.image()).unwrap() == before,
+            "--log-size {bad} wrote"
+        );
+    }
+}
+
 /// mkfs will not overwrite another filesystem unforced (ext4 here, as mkfs.ext4 makes
 /// it), and once forced, leaves no trace of it where blkid would find it.
 #[test]

@@ -44,6 +44,8 @@ pub const LOG_START: u64 = 1 << 20;
 pub const LOG_START_HIGH: u64 = SUPER_OFFSETS[1] + (64 << 10);
 /// Largest log area.
 pub const LOG_MAX: u64 = 512 << 20;
+/// Largest log area of an image without [`INCOMPAT_LARGE_LOG`].
+pub const LOG_MAX_PLAIN: u64 = 256 << 20;
 /// Smallest device mkfs accepts.
 pub const MIN_DEVICE_SIZE: u64 = 32 << 20;
 /// Longest name in a directory.
@@ -67,7 +69,8 @@ pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE
     | INCOMPAT_LOG_RING
     | INCOMPAT_CSUM_PIECES
     | INCOMPAT_XATTR_CHUNKS
-    | INCOMPAT_EXTREF;
+    | INCOMPAT_EXTREF
+    | INCOMPAT_LARGE_LOG;
 /// Base v1 format: CoW trees, extent refcounts, crc32c checksums, reserved log area.
 pub const INCOMPAT_BASE: u64 = 1;
 /// The log area is a ring: a generation's batches start at the superblock's
@@ -85,6 +88,10 @@ pub const INCOMPAT_XATTR_CHUNKS: u64 = 8;
 /// Names of an inode that do not fit its INODE_REF item for a directory are in
 /// INODE_EXTREF items. Set when the first such name is made.
 pub const INCOMPAT_EXTREF: u64 = 16;
+/// The log area is over [`LOG_MAX_PLAIN`], up to [`LOG_MAX`]. Set by mkfs when it
+/// makes such a log, so that a build that allowed only the smaller log says the image
+/// uses a feature it lacks, not that the superblock is damaged.
+pub const INCOMPAT_LARGE_LOG: u64 = 32;
 /// Largest xattr value, as Linux limits it (`XATTR_SIZE_MAX`).
 pub const XATTR_SIZE_MAX: usize = 65536;
 

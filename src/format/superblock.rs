@@ -155,7 +155,11 @@ impl Superblock {
             // The log ends before the second superblock copy, or starts after it.
             || !match sb.log_start {
                 super::LOG_START => sb.log_len <= super::SUPER_OFFSETS[1] - super::LOG_START,
-                super::LOG_START_HIGH => sb.log_len <= super::LOG_MAX,
+                super::LOG_START_HIGH => sb.log_len <= if sb.incompat & super::INCOMPAT_LARGE_LOG != 0 {
+                    super::LOG_MAX
+                } else {
+                    super::LOG_MAX_PLAIN
+                },
                 _ => false,
             }
             || data_start.is_none_or(|d| d >= sb.total_bytes)
@@ -215,6 +219,7 @@ mod tests {
             |s| {
                 s.log_start = super::super::LOG_START_HIGH;
                 s.log_len = super::super::LOG_MAX + 4096;
+                s.incompat |= super::super::INCOMPAT_LARGE_LOG;
                 s.root_tree = 1 << 30;
                 s.total_bytes = 2 << 30;
             },
@@ -242,6 +247,12 @@ mod tests {
         sb.log_len = super::super::LOG_MAX;
         sb.root_tree = 1 << 30;
         sb.total_bytes = 2 << 30;
+        // Over 256 MiB only with the feature flag that says so.
+        assert!(Superblock::decode(&sb.encode(65536), 65536).is_err());
+        sb.incompat |= super::super::INCOMPAT_LARGE_LOG;
+        assert_eq!(Superblock::decode(&sb.encode(65536), 65536).unwrap(), sb);
+        sb.log_len = super::super::LOG_MAX_PLAIN;
+        sb.incompat &= !super::super::INCOMPAT_LARGE_LOG;
         assert_eq!(Superblock::decode(&sb.encode(65536), 65536).unwrap(), sb);
         // Its tree root may not lie in it.
         sb.root_tree = super::super::LOG_START_HIGH + 4096;

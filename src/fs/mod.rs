@@ -74,6 +74,9 @@ pub struct MkfsOptions {
     pub node_size: Option<u32>,
     /// Owner (uid, gid) of the root directory: (0, 0) by default.
     pub root_owner: (u32, u32),
+    /// Size of the log area in bytes (see [`crate::log_area_sized`]); 1/16 of the
+    /// device, 2 MiB to 512 MiB, when `None`.
+    pub log_size: Option<u64>,
 }
 
 /// One entry returned by `readdir`.
@@ -310,7 +313,7 @@ pub const INODES_PER_BLOCK: u64 = 7;
 impl Fs {
     /// Writes a new, empty filesystem on `dev`.
     pub fn mkfs(dev: Arc<dyn BlockDev>, opts: &MkfsOptions) -> Result<()> {
-        let store = Store::create(dev.clone(), opts.node_size)?;
+        let store = Store::create(dev.clone(), opts.node_size, opts.log_size)?;
         let mut inner = Inner {
             store,
             next_ino: objectid::FIRST_FREE,
