@@ -165,18 +165,6 @@ fn random_fsid() -> [u8; 16] {
     id
 }
 
-/// The log area (start, length): 1/16 of the device. From 2 MiB to 62 MiB it fits
-/// between [`LOG_START`] and the second superblock copy (64 MiB); on devices of 2 GiB
-/// and more it is 128 MiB to [`LOG_MAX`] and starts past that copy, leaving the 63 MiB
-/// before it unused (at most 3% of the device). A commit starts when one
-/// generation's batches leave less than [`crate::log::COMMIT_HEADROOM`] of the log
-/// (or a quarter of a small one), so a larger log means fewer commits under a stream
-/// of fsyncs: each commit rewrites every tree node changed since the last, which for
-/// random overwrites is nearly every leaf of the file trees (W3 on an 8 GiB image,
-/// 30 s: with a 62 MiB log a commit every 2 s and 43% of the bytes written were tree
-/// nodes; with 256 MiB, 8% and 5% more throughput; with 512 MiB over io_uring, 3
-/// full commits in 30 s instead of 6 and 0.12 bytes of tree nodes per byte fio wrote
-/// instead of 0.15, medians of 7 rounds, at no gain in throughput).
 /// The log area (start, length) of `len` bytes that mkfs asks for on a device of
 /// `size` bytes, or why it cannot be: whole blocks, 1 MiB to [`LOG_MAX`], below the
 /// second superblock copy when it fits there, and at most half the device.
@@ -199,6 +187,18 @@ pub fn log_area_sized(size: u64, len: u64) -> Result<(u64, u64)> {
     Ok((start, len))
 }
 
+/// The log area (start, length): 1/16 of the device. From 2 MiB to 62 MiB it fits
+/// between [`LOG_START`] and the second superblock copy (64 MiB); on devices of 2 GiB
+/// and more it is 128 MiB to [`LOG_MAX`] and starts past that copy, leaving the 63 MiB
+/// before it unused (at most 3% of the device). A commit starts when one
+/// generation's batches leave less than [`crate::log::COMMIT_HEADROOM`] of the log
+/// (or a quarter of a small one), so a larger log means fewer commits under a stream
+/// of fsyncs: each commit rewrites every tree node changed since the last, which for
+/// random overwrites is nearly every leaf of the file trees (W3 on an 8 GiB image,
+/// 30 s: with a 62 MiB log a commit every 2 s and 43% of the bytes written were tree
+/// nodes; with 256 MiB, 8% and 5% more throughput; with 512 MiB over io_uring, 3
+/// full commits in 30 s instead of 6 and 0.12 bytes of tree nodes per byte fio wrote
+/// instead of 0.15, medians of 7 rounds, at no gain in throughput).
 fn log_area_for(size: u64) -> (u64, u64) {
     let len = (size / 16) & !4095;
     if len >= 128 << 20 {
