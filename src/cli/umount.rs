@@ -128,11 +128,18 @@ fn storage_in(meta: &std::fs::Metadata) -> Storage {
     }
 }
 
+/// The [`Storage`] behind `path`, and the file under it when it is a loop device;
+/// `None` when it cannot be looked at (gone, say).
+fn storage_and_backing(path: &Path) -> Option<(Storage, Option<PathBuf>)> {
+    let meta = std::fs::metadata(path).ok()?;
+    let backing = birchfs::dev::loop_backing_file(&meta);
+    let under = backing.as_ref().and_then(|f| std::fs::metadata(f).ok());
+    Some((storage_in(under.as_ref().unwrap_or(&meta)), backing))
+}
+
 /// The [`Storage`] behind `path`; `None` when it cannot be looked at (gone, say).
 fn storage_of(path: &Path) -> Option<Storage> {
-    let meta = std::fs::metadata(path).ok()?;
-    let under = birchfs::dev::loop_backing_file(&meta).and_then(|f| std::fs::metadata(f).ok());
-    Some(storage_in(under.as_ref().unwrap_or(&meta)))
+    Some(storage_and_backing(path)?.0)
 }
 
 /// Where a live birchfs that stores its data where `image` does is mounted: `image`
@@ -141,14 +148,14 @@ fn storage_of(path: &Path) -> Option<Storage> {
 /// device or of a file of the same name are looked at, so that a hung mount
 /// elsewhere cannot stall this. `None` also when the mount table cannot be read.
 pub(crate) fn mount_storing_in(image: &Path) -> Option<PathBuf> {
-    let want = storage_of(image)?;
+    let (want, backing) = storage_and_backing(image)?;
     let mut names = vec![image.file_name()?.to_owned()];
-    if let Some(under) = std::fs::metadata(image)
-        .ok()
-        .and_then(|m| birchfs::dev::loop_backing_file(&m))
-    {
-        names.extend(under.file_name().map(|n| n.to_owned()));
-    }
+    names.extend(
+        backing
+            .as_deref()
+            .and_then(Path::file_name)
+            .map(|n| n.to_owned()),
+    );
     let info = read_mountinfo().ok()?;
     let point = mounts(&info)
         .rev()
