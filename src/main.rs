@@ -229,7 +229,7 @@ fn resize_cmd(target: &Path, size: &str) -> Result<(u64, u64)> {
     if target.is_dir() {
         return resize_mounted(target, size);
     }
-    if let Some(mp) = cli::umount::image_mount(target) {
+    if let Some(mp) = cli::umount::mount_storing_in(target) {
         eprintln!(
             "birchfs: {} is mounted at {}; growing it there",
             target.display(),

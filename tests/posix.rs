@@ -3756,6 +3756,16 @@ fn mount_refuses_an_image_that_is_already_mounted() {
         &format!("in use by the birchfs mounted at {}", m.root().display()),
         "second mount of a mounted image",
     );
+    // By another name (a symbolic link elsewhere), the same.
+    let links = m.host_dir().join("links");
+    fs::create_dir(&links).unwrap();
+    let other = links.join("other-name");
+    std::os::unix::fs::symlink(m.image(), &other).unwrap();
+    fails_saying(
+        &cli(&["check".as_ref(), other.as_os_str()]),
+        &format!("in use by the birchfs mounted at {}", m.root().display()),
+        "check of a mounted image through a link of another name",
+    );
     assert_eq!(fs::read(m.path("f")).unwrap(), b"first mount");
     fs::write(m.path("g"), b"still works").unwrap();
     m.remount();
@@ -5793,8 +5803,10 @@ fn birchfs_resize_grows_a_mounted_filesystem() {
         .unwrap()
         .set_len(256 * MIB)
         .unwrap();
-    let img = m.image().as_os_str().to_owned();
-    let out = resize(&img, "max");
+    // Named through a symbolic link of another name, too.
+    let link = m.host_dir().join("grown-image");
+    std::os::unix::fs::symlink(m.image(), &link).unwrap();
+    let out = resize(link.as_os_str(), "max");
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stderr).contains("growing it there"),
         "{}",
@@ -5803,6 +5815,14 @@ fn birchfs_resize_grows_a_mounted_filesystem() {
     assert!(size(&m) > 240 * MIB, "df: {} bytes", size(&m));
     fails_saying(&resize(&root, "100M"), "never shrinks", "resize to less");
     fails_saying(&resize(&root, "256M"), "already", "resize to the same size");
+    let img = m.image().as_os_str().to_owned();
+    let out = resize(&img, "256M");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("growing it there"),
+        "{}",
+        describe(&out)
+    );
+    fails_saying(&out, "already", "resize of the mounted image to its size");
     m.unmount();
     check_clean(m.image());
     m.mount_with(&["ro"]);

@@ -98,18 +98,6 @@ pub(crate) fn same_path(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// Where the birchfs of `image` is mounted (the first such mount in `mountinfo`).
-pub(crate) fn mount_of_image(mountinfo: &[u8], image: &Path) -> Option<PathBuf> {
-    mounts(mountinfo)
-        .find(|m| m.image.as_deref().is_some_and(|i| same_path(i, image)))
-        .map(|m| m.point)
-}
-
-/// [`mount_of_image`] on this process's mount table; `None` when it cannot be read.
-pub(crate) fn image_mount(image: &Path) -> Option<PathBuf> {
-    mount_of_image(&read_mountinfo().ok()?, image)
-}
-
 /// What a path stores its data in: a file (device and inode numbers), or a block
 /// device (its number); a loop device stands for the file under it.
 #[derive(Debug, PartialEq, Eq)]
@@ -143,26 +131,28 @@ fn storage_of(path: &Path) -> Option<Storage> {
 }
 
 /// Where a live birchfs that stores its data where `image` does is mounted: `image`
-/// itself, a loop device over it, or the file under it when it is a loop device (the
-/// latest such mount; one whose daemon is gone does not count). Only mounts of a
-/// device or of a file of the same name are looked at, so that a hung mount
-/// elsewhere cannot stall this. `None` also when the mount table cannot be read.
+/// itself (by any name), a loop device over it, or the file under it when it is a loop
+/// device (the latest such mount; one whose daemon is gone does not count). Only
+/// mounts of a device or of a file of the same name (as given or resolved) are
+/// looked at, so that a hung mount elsewhere cannot stall this. `None` also when the
+/// mount table cannot be read.
 pub(crate) fn mount_storing_in(image: &Path) -> Option<PathBuf> {
     let (want, backing) = storage_and_backing(image)?;
-    let mut names = vec![image.file_name()?.to_owned()];
-    names.extend(
-        backing
-            .as_deref()
-            .and_then(Path::file_name)
-            .map(|n| n.to_owned()),
-    );
+    // The name given, the name it resolves to (through symbolic links), and the
+    // backing file's.
+    let resolved = std::fs::canonicalize(image).ok();
+    let names: Vec<_> = [Some(image), resolved.as_deref(), backing.as_deref()]
+        .into_iter()
+        .flatten()
+        .filter_map(Path::file_name)
+        .collect();
     let info = read_mountinfo().ok()?;
     let point = mounts(&info)
         .rev()
         .filter(|m| {
             m.image.as_deref().is_some_and(|i| {
                 i.starts_with("/dev/")
-                    || i.file_name().is_some_and(|n| names.iter().any(|x| x == n))
+                    || i.file_name().is_some_and(|n| names.iter().any(|&x| x == n))
             })
         })
         .filter(|m| m.image.as_deref().and_then(storage_of).as_ref() == Some(&want))
