@@ -151,8 +151,7 @@ pub(crate) fn mount_storing_in(image: &Path) -> Option<PathBuf> {
         .rev()
         .filter(|m| {
             m.image.as_deref().is_some_and(|i| {
-                i.starts_with("/dev/")
-                    || i.file_name().is_some_and(|n| names.iter().any(|&x| x == n))
+                i.starts_with("/dev/") || i.file_name().is_some_and(|n| names.contains(&n))
             })
         })
         .filter(|m| m.image.as_deref().and_then(storage_of).as_ref() == Some(&want))
