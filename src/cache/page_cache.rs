@@ -190,6 +190,17 @@ impl Held<'_> {
         self.cache.promised.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// Holds `n` bytes less (not below zero).
+    pub(crate) fn sub(&self, n: u64) {
+        let was = self
+            .n
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                Some(h.saturating_sub(n))
+            })
+            .unwrap_or(0);
+        self.cache.unpromise(was.min(n));
+    }
+
     /// Releases what it holds now.
     pub(crate) fn release(&self) {
         self.cache.unpromise(self.n.swap(0, Ordering::Relaxed));

@@ -775,6 +775,25 @@ fn writes_beside_a_write_leave_it_its_room() {
     both_reach_the_disk(o, &dev, fs, a, &da);
 }
 
+/// Once a write has copied its data, the room it was admitted with counts as its
+/// dirty blocks only, not also as held: a write of new blocks, and an overwrite of
+/// blocks already dirty, each count once.
+#[test]
+fn a_copied_write_holds_no_room_beside_its_dirty_blocks() {
+    let (_, _, fs, a) = a_and_b();
+    let da = pattern(8 * MB as usize, 3);
+    let counted_once = |fs: &Fs, _: u64| {
+        assert_eq!(fs.cache.dirty_bytes(), 8 * MB);
+        assert_eq!(
+            fs.cache.promised_bytes(),
+            fs.cache.dirty_bytes(),
+            "room held beside the dirty blocks"
+        );
+    };
+    beside_a_write(&fs, a, 0, &da, true, counted_once);
+    beside_a_write(&fs, a, 0, &da, true, counted_once);
+}
+
 /// Writes admitted while a writeback has taken dirty blocks and not yet found space
 /// for them leave those blocks their room (held until the space is found).
 #[test]

@@ -212,8 +212,8 @@ impl Fs {
         } else {
             (offset / fsz * fsz, end.div_ceil(fsz) * fsz)
         };
-        // The room admitted is held until the copy counts it dirty: a write to
-        // another file admitted meanwhile sees it taken.
+        // The room admitted is held until the copy counts it dirty, a folio at a
+        // time: a write to another file admitted meanwhile sees it taken.
         let (size, held) = self.with_space(|i| {
             let own = stamp.then_some(offset);
             let size = i.write_begin(
@@ -238,12 +238,16 @@ impl Fs {
                 err = Some(e);
                 break;
             }
-            pos = (pos / fsz + 1) * fsz;
+            // This folio's share of the room now counts as dirty: hold it no longer,
+            // so a write admitted meanwhile is not refused for room this one uses.
+            let fstart = pos / fsz * fsz;
+            held.sub((fstart + fsz).min(span.1) - fstart.max(span.0));
+            pos = fstart + fsz;
         }
         let pos = pos.min(end);
-        drop(held);
         #[cfg(test)]
         super::run_hook(&self.write_hook, true);
+        drop(held);
         self.with(|i| i.note_write(ino, size, pos, stamp && pos > offset))?;
         Stats::add(&self.stats.user_bytes, pos - offset);
         if let Some(e) = err {
