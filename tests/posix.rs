@@ -3773,6 +3773,40 @@ fn mount_refuses_an_image_that_is_already_mounted() {
     m.unmount();
 }
 
+/// An image mounted through a symbolic link of another name is found by its own
+/// name too: a check is refused naming the mount, and a resize grows it there.
+#[test]
+fn an_image_mounted_through_a_link_is_found_by_its_own_name() {
+    let m = Mount::unmounted("64M");
+    let link = m.host_dir().join("current-image");
+    std::os::unix::fs::symlink(m.image(), &link).unwrap();
+    let at = m.host_dir().join("through-link");
+    fs::create_dir(&at).unwrap();
+    let _g = UnmountOnDrop(at.clone());
+    let out = cli(&["mount".as_ref(), link.as_os_str(), at.as_os_str()]);
+    assert!(out.status.success(), "mount: {}", describe(&out));
+    let img = m.image().as_os_str();
+    fails_saying(
+        &cli(&["check".as_ref(), img]),
+        &format!("in use by the birchfs mounted at {}", at.display()),
+        "check of the image mounted through a link",
+    );
+    let out = cli(&["resize".as_ref(), img, "+16M".as_ref()]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stderr).contains("growing it there"),
+        "{}",
+        describe(&out)
+    );
+    let st = statfs(&at).unwrap();
+    assert!(
+        st.f_blocks as u64 * st.f_bsize as u64 > 64 << 20,
+        "the mount did not grow"
+    );
+    let out = cli(&["umount".as_ref(), at.as_os_str()]);
+    assert!(out.status.success(), "umount: {}", describe(&out));
+    check_clean(m.image());
+}
+
 /// A dead mount of the image (its daemon killed, the mount left behind) does not
 /// count as the image being mounted: the refusal names the live mount.
 #[test]

@@ -176,8 +176,8 @@ pub(crate) struct PageCache {
     squeeze: AtomicU64,
 }
 
-/// Room [`PageCache::hold`] holds, released when this drops (or before, by
-/// [`Held::release`]).
+/// Room [`PageCache::hold`] holds, released when this drops (or before, in part by
+/// [`Held::sub`] or whole by [`Held::release`]).
 pub(crate) struct Held<'a> {
     cache: &'a PageCache,
     n: AtomicU64,

@@ -132,10 +132,11 @@ fn storage_of(path: &Path) -> Option<Storage> {
 
 /// Where a live birchfs that stores its data where `image` does is mounted: `image`
 /// itself (by any name), a loop device over it, or the file under it when it is a loop
-/// device (the latest such mount; one whose daemon is gone does not count). Only
-/// mounts of a device or of a file of the same name (as given or resolved) are
-/// looked at, so that a hung mount elsewhere cannot stall this. `None` also when the
-/// mount table cannot be read.
+/// device (the latest such mount; one whose daemon is gone does not count). Mounts of
+/// a device or of a file of the same name (as given or resolved) are looked at first,
+/// so that a hung mount elsewhere cannot stall a lookup that finds one there; the
+/// other birchfs mounts of files only when none of those is it (a mount made through
+/// a link of another name). `None` also when the mount table cannot be read.
 pub(crate) fn mount_storing_in(image: &Path) -> Option<PathBuf> {
     let (want, backing) = storage_and_backing(image)?;
     // The name given, the name it resolves to (through symbolic links), and the
@@ -147,13 +148,16 @@ pub(crate) fn mount_storing_in(image: &Path) -> Option<PathBuf> {
         .filter_map(Path::file_name)
         .collect();
     let info = read_mountinfo().ok()?;
-    let point = mounts(&info)
-        .rev()
-        .filter(|m| {
+    let (likely, others): (Vec<Mounted>, Vec<Mounted>) =
+        mounts(&info).filter(|m| m.image.is_some()).partition(|m| {
             m.image.as_deref().is_some_and(|i| {
                 i.starts_with("/dev/") || i.file_name().is_some_and(|n| names.contains(&n))
             })
-        })
+        });
+    let point = likely
+        .into_iter()
+        .rev()
+        .chain(others.into_iter().rev())
         .filter(|m| m.image.as_deref().and_then(storage_of).as_ref() == Some(&want))
         .find(|m| refuse_dead_mount(&m.point).is_ok())
         .map(|m| m.point);
