@@ -230,6 +230,24 @@ fn resize_cmd(target: &Path, size: &str) -> Result<(u64, u64)> {
         return resize_mounted(target, size);
     }
     if let Some(mp) = cli::umount::mount_storing_in(target) {
+        // A loop device and the file under it: growing one leaves the other as it
+        // was, so the mount is grown by its own name, and the other follows by hand.
+        if let Some(served) = cli::umount::image_mounted_at(&mp)
+            .ok()
+            .filter(|s| !cli::umount::same_file(s, target))
+        {
+            bail!(
+                "{} and {} (mounted at {}) are a loop device and the file under it, and \
+                 growing one leaves the other as it was: grow the filesystem by its mount \
+                 point, `birchfs resize {} SIZE` (a mount on a loop device grows to the \
+                 device's size: lengthen the file and run `losetup -c` on the device \
+                 first)",
+                target.display(),
+                served.display(),
+                mp.display(),
+                mp.display()
+            );
+        }
         eprintln!(
             "birchfs: {} is mounted at {}; growing it there",
             target.display(),

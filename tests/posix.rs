@@ -3807,6 +3807,26 @@ fn an_image_mounted_through_a_link_is_found_by_its_own_name() {
     check_clean(m.image());
 }
 
+/// A resize of the file under a mounted loop device is refused, saying how to grow
+/// the mount: growing the file alone would leave the device as it was.
+#[test]
+fn resize_of_the_file_under_a_mounted_loop_device_says_how() {
+    let m = Mount::on_loop_device("64M");
+    let backing = m.host_dir().join("backing");
+    let out = cli(&["resize".as_ref(), backing.as_os_str(), "+16M".as_ref()]);
+    fails_saying(
+        &out,
+        &format!("birchfs resize {} SIZE", m.root().display()),
+        "resize of the file under a mounted loop device",
+    );
+    fails_saying(&out, "losetup -c", "resize of the file under a loop device");
+    assert_eq!(
+        fs::metadata(&backing).unwrap().len(),
+        64 << 20,
+        "the file grew"
+    );
+}
+
 /// A dead mount of the image (its daemon killed, the mount left behind) does not
 /// count as the image being mounted: the refusal names the live mount.
 #[test]

@@ -125,6 +125,15 @@ fn storage_and_backing(path: &Path) -> Option<(Storage, Option<PathBuf>)> {
     Some((storage_in(under.as_ref().unwrap_or(&meta)), backing))
 }
 
+/// Whether `a` and `b` are the same file or device (by any name), a loop device and
+/// the file under it not counting as the same.
+pub(crate) fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => storage_in(&x) == storage_in(&y),
+        _ => false,
+    }
+}
+
 /// The [`Storage`] behind `path`; `None` when it cannot be looked at (gone, say).
 fn storage_of(path: &Path) -> Option<Storage> {
     Some(storage_and_backing(path)?.0)
