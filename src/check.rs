@@ -643,7 +643,8 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
             w.rep.pending_log_batches = found.batches.len();
             if let Some(n) = found.damaged {
                 w.problem(format!(
-                    "log batch {n} names blocks outside the data area: it is damaged, and \
+                    "log batch {n} names blocks outside the data area, or an item larger than a \
+                     node holds: it is damaged, and \
                      a mount replays only the {n} batches before it"
                 ));
             }
@@ -857,6 +858,12 @@ fn check_namespace(
     // Where each file's written (not preallocated) data ends.
     let mut data_end: HashMap<u64, u64> = HashMap::new();
     for (k, fe) in file_extents {
+        if let Some(why) = fe.flaw(k.offset) {
+            w.problem(format!(
+                "inode {}: file extent at {} is {why}",
+                k.objectid, k.offset
+            ));
+        }
         *nbytes.entry(k.objectid).or_default() += fe.num_bytes.get();
         if fe.kind != crate::format::FILE_EXTENT_PREALLOC {
             let d = data_end.entry(k.objectid).or_default();

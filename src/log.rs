@@ -23,7 +23,8 @@
 //! checks the data blocks named by logged checksum items: a batch whose data did not
 //! land (its fsync had not returned) ends the log, with every batch after it. So does
 //! a batch naming blocks outside the data area of the superblock's size, which no
-//! batch of that size can (a grow's commit lands before the log takes another batch).
+//! batch of that size can (a grow's commit lands before the log takes another batch),
+//! or inserting an item larger than a node holds, which no batch can.
 //!
 //! ```text
 //! batch: magic[8] | csum u32 | nrecords u32 | fsid[16] | generation u64 | seq u64 | payload_len u32 | flags u32
@@ -613,8 +614,15 @@ pub(crate) fn parse(
 /// and checksum items) lies within `[lo, hi)`, the data area of the filesystem's
 /// size, and outside `holes` (its superblock copies), as whole blocks: a range of
 /// no blocks, or not on block boundaries, or a file extent or checksum item of the
-/// wrong size, is refused too.
-pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64, holes: &[(u64, u64)]) -> bool {
+/// wrong size, is refused too; and every item it inserts, at most `max_item` bytes,
+/// fits in a node.
+pub(crate) fn within(
+    ops: &[LogOp],
+    lo: u64,
+    hi: u64,
+    holes: &[(u64, u64)],
+    max_item: usize,
+) -> bool {
     let inside = |start: u64, len: u64| {
         len > 0
             && start % BLOCK_SIZE == 0
@@ -622,13 +630,16 @@ pub(crate) fn within(ops: &[LogOp], lo: u64, hi: u64, holes: &[(u64, u64)]) -> b
             && crate::txn::in_range(start, len, lo, hi, holes)
     };
     ops.iter().all(|op| match op {
+        LogOp::Insert { val, .. } if val.len() > max_item => false,
         LogOp::DataRef { bytenr, len, .. } => inside(*bytenr, *len),
         LogOp::Insert { tree: t, key, val } if *t == tree::CSUM => {
             val.len() % 4 == 0 && inside(key.offset, (val.len() / 4) as u64 * BLOCK_SIZE)
         }
         LogOp::Insert { key, val, .. } if key.ty == crate::format::kind::EXTENT_DATA => {
             crate::format::FileExtent::read_from_bytes(val).is_ok_and(|fe| {
-                fe.disk_bytenr.get() == 0 || inside(fe.disk_bytenr.get(), fe.disk_len.get())
+                fe.flaw(key.offset).is_none()
+                    && (fe.disk_bytenr.get() == 0
+                        || inside(fe.disk_bytenr.get(), fe.disk_len.get()))
             })
         }
         _ => true,
@@ -697,7 +708,8 @@ mod tests {
     /// `within` takes a batch whose reference changes, file extents and checksummed
     /// blocks all lie in the range as whole blocks, and refuses one with any of them
     /// reaching past either end or into a hole, off block boundaries, of no blocks,
-    /// or of the wrong size.
+    /// or of the wrong size, a file extent none birchfs writes, or with an item
+    /// larger than a node holds.
     #[test]
     fn within_checks_references_and_checksummed_blocks_against_the_range() {
         let csum = |at: u64, blocks: usize| LogOp::Insert {
@@ -712,7 +724,8 @@ mod tests {
         };
         let (lo, hi) = (1 << 20, 96 << 20);
         let holes = [(64 << 20, 4096)];
-        let ok = |ops: &[LogOp]| within(ops, lo, hi, &holes);
+        let max_item = crate::txn::max_item_size(16384);
+        let ok = |ops: &[LogOp]| within(ops, lo, hi, &holes, max_item);
         assert!(ok(&[dref(lo, 4096), csum(hi - 8192, 2)]));
         assert!(ok(&[
             dref((64 << 20) - 4096, 4096),
@@ -731,6 +744,14 @@ mod tests {
             val: vec![0; 8],
         };
         assert!(ok(&[other]));
+        // Nor any item larger than a node holds.
+        let item = |len: usize| LogOp::Insert {
+            tree: tree::FS,
+            key: Key::new(300, 1, 0),
+            val: vec![0; len],
+        };
+        assert!(ok(&[item(max_item)]));
+        assert!(!ok(&[item(max_item + 1)]));
         // Whole blocks only: not of none, nor off block boundaries.
         assert!(!ok(&[dref(lo, 0)]));
         assert!(!ok(&[dref(lo + 512, 4096)]));
@@ -764,6 +785,23 @@ mod tests {
             unreachable!()
         };
         val.pop();
+        assert!(!ok(&[LogOp::Insert { tree, key, val }]));
+        // Nor one off block boundaries in the file, or past its disk extent.
+        let LogOp::Insert { tree, key, val } = fext(lo, 4096) else {
+            unreachable!()
+        };
+        let odd_key = Key::new(key.objectid, key.ty, 512);
+        assert!(!ok(&[LogOp::Insert {
+            tree,
+            key: odd_key,
+            val
+        }]));
+        let LogOp::Insert { tree, key, val } = fext(lo, 4096) else {
+            unreachable!()
+        };
+        let mut fe = crate::format::FileExtent::read_from_bytes(&val[..]).unwrap();
+        fe.num_bytes = 8192.into();
+        let val = fe.as_bytes().to_vec();
         assert!(!ok(&[LogOp::Insert { tree, key, val }]));
     }
 

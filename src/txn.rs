@@ -211,6 +211,13 @@ fn log_area_for(size: u64) -> (u64, u64) {
 /// Bytes a leaf spends on an item besides its value: key and length.
 const ITEM_OVERHEAD: usize = 17 + 4;
 
+/// Largest item value nodes of `node_size` bytes take (see [`Store::max_item_size`]).
+pub(crate) fn max_item_size(node_size: u32) -> usize {
+    ((node_size as usize).saturating_sub(crate::format::NODE_HEADER_SIZE) / 2)
+        .saturating_sub(ITEM_OVERHEAD)
+        .min(MAX_ITEM_SIZE)
+}
+
 fn reserve_for(size: u64) -> u64 {
     (size / 32).clamp(4 << 20, 256 << 20)
 }
@@ -561,6 +568,11 @@ impl Store {
 
     pub(crate) fn insert(&mut self, id: u64, key: Key, val: Vec<u8>) -> Result<()> {
         self.writable()?;
+        // Callers refuse larger values with their own errors; a node could not hold
+        // one, and its commit would fail.
+        if val.len() > self.max_item_size() {
+            return Err(Error::Invalid("item larger than a tree node holds"));
+        }
         if id == tree::FS || id == tree::CSUM {
             self.log.record(LogOp::Insert {
                 tree: id,
@@ -674,8 +686,7 @@ impl Store {
     /// Largest item this filesystem's nodes take: two must fit in one node (so a split
     /// always succeeds), and never more than `MAX_ITEM_SIZE`.
     pub(crate) fn max_item_size(&self) -> usize {
-        let ns = self.sb.node_size as usize;
-        ((ns - crate::format::NODE_HEADER_SIZE) / 2 - ITEM_OVERHEAD).min(MAX_ITEM_SIZE)
+        max_item_size(self.sb.node_size)
     }
 
     /// Whether the running transaction should be committed now, to give back the

@@ -172,6 +172,31 @@ pub struct FileExtent {
 }
 const _: () = assert!(std::mem::size_of::<FileExtent>() == 48);
 
+impl FileExtent {
+    /// Why this extent, at file offset `at`, is none birchfs writes (damage); `None`
+    /// when it could be: whole blocks, at least one, within its disk extent, within
+    /// the largest file (its last block whole) and the address space.
+    pub fn flaw(&self, at: u64) -> Option<&'static str> {
+        let (off, n) = (self.offset.get(), self.num_bytes.get());
+        let (disk, len) = (self.disk_bytenr.get(), self.disk_len.get());
+        if (at | off | n | disk | len) % super::BLOCK_SIZE != 0 {
+            Some("not on block boundaries")
+        } else if n == 0 || len == 0 {
+            Some("of no blocks")
+        } else if off.checked_add(n).is_none_or(|e| e > len) {
+            Some("reaches past its disk extent")
+        } else if at
+            .checked_add(n)
+            .is_none_or(|e| e > super::MAX_FILE_SIZE.next_multiple_of(super::BLOCK_SIZE))
+            || disk.checked_add(len).is_none()
+        {
+            Some("reaches past the largest file or address")
+        } else {
+            None
+        }
+    }
+}
+
 /// A tree root (ROOT_ITEM in the root tree).
 #[derive(
     FromBytes,

@@ -69,8 +69,16 @@ fn fe_of(m: &Mapping) -> FileExtent {
     }
 }
 
-fn decode_fe(ino: u64, v: &[u8]) -> Result<FileExtent> {
-    FileExtent::read_from_bytes(v).map_err(|_| Error::corrupt("file extent", ino, "bad size"))
+/// The file extent item of `ino` at file offset `at`, refused as damage when it is
+/// none birchfs writes (see [`FileExtent::flaw`]): every use of it may then count on
+/// whole blocks within its disk extent.
+fn decode_fe(ino: u64, at: u64, v: &[u8]) -> Result<FileExtent> {
+    let fe = FileExtent::read_from_bytes(v)
+        .map_err(|_| Error::corrupt("file extent", ino, "bad size"))?;
+    match fe.flaw(at) {
+        Some(why) => Err(Error::corrupt("file extent", ino, why)),
+        None => Ok(fe),
+    }
 }
 
 impl Inner {
@@ -116,7 +124,7 @@ impl Inner {
         let (t, ino) = super::snapshot::split(ino);
         if let Some((k, v)) = self.store.seek_le(t, &extent_key(ino, start))? {
             if k.objectid == ino && k.ty == kind::EXTENT_DATA {
-                let fe = decode_fe(ino, &v)?;
+                let fe = decode_fe(ino, k.offset, &v)?;
                 if k.offset + fe.num_bytes.get() > start && k.offset < start {
                     out.push((k.offset, fe));
                 }
@@ -130,7 +138,7 @@ impl Inner {
             let Some(last) = batch.last() else { break };
             from = last.0.offset + 1;
             for (k, v) in batch {
-                out.push((k.offset, decode_fe(ino, &v)?));
+                out.push((k.offset, decode_fe(ino, k.offset, &v)?));
             }
         }
         Ok(out)
@@ -188,6 +196,7 @@ impl Inner {
                 if k.objectid == objectid::CSUM
                     && k.ty == kind::EXTENT_CSUM
                     && k.offset >= extent
+                    && k.offset % BS == 0
                     && covers(k.offset, &v) =>
             {
                 let end = k.offset + v.len() as u64 / 4 * BS;
@@ -215,7 +224,8 @@ impl Inner {
             if s >= e {
                 continue;
             }
-            // Whole blocks of the disk extent that hold [s, e).
+            // Whole blocks of the disk extent that hold [s, e): `decode_fe` refused
+            // extents off block boundaries.
             let bs = (s - foff) / BS * BS;
             let be = round_up(e - foff);
             let extent = fe.disk_bytenr.get();

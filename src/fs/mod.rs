@@ -1385,13 +1385,15 @@ pub(crate) fn log_batches(
     let n = found.len();
     let (lo, hi) = (start + len, sb.total_bytes);
     let holes = crate::txn::super_holes(hi);
+    let max_item = crate::txn::max_item_size(sb.node_size);
     let mut outside = false;
     let batches: Vec<_> = found
         .into_iter()
         .take_while(|b| {
-            // No batch of this filesystem names blocks past its size: one that does
-            // is damage, and replaying it would make extents no check accepts.
-            outside = !crate::log::within(b, lo, hi, &holes);
+            // No batch of this filesystem names blocks past its size or inserts an
+            // item no node holds: one that does is damage, and replaying it would
+            // make extents no check accepts, or nodes no commit can write.
+            outside = !crate::log::within(b, lo, hi, &holes, max_item);
             !outside && crate::log::data_landed(b, &mut read)
         })
         .collect();
@@ -1399,8 +1401,8 @@ pub(crate) fn log_batches(
     if outside {
         tracing::warn!(
             "log replay stops at batch {} of {n}: it names blocks outside the \
-             filesystem's data area ({lo:#x}..{hi:#x}, less its superblock copies), so \
-             it is damaged",
+             filesystem's data area ({lo:#x}..{hi:#x}, less its superblock copies), or \
+             an item larger than a node holds, so it is damaged",
             batches.len()
         );
     } else if batches.len() < n {

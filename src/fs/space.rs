@@ -120,9 +120,13 @@ impl Fs {
                 if k.ty != kind::EXTENT_DATA {
                     continue;
                 }
+                // A damaged extent counts nothing (its reads fail, `check` names it).
                 let Ok(fe) = FileExtent::read_from_bytes(&v) else {
                     continue;
                 };
+                if fe.flaw(k.offset).is_some() {
+                    continue;
+                }
                 let e = by_extent
                     .entry(fe.disk_bytenr.get())
                     .or_insert_with(|| (fe.disk_len.get(), Vec::new()));

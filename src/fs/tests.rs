@@ -3053,6 +3053,105 @@ fn a_power_cut_during_a_grow_in_use_keeps_every_fsynced_file() {
     );
 }
 
+/// A file extent off block boundaries (a damaged or hostile image: no write makes
+/// one) fails a read of it with EIO; nothing panics, and other files still read.
+#[test]
+fn a_file_extent_off_block_boundaries_fails_its_read() {
+    use crate::format::FileExtent;
+    use zerocopy::{FromBytes, IntoBytes};
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    let g = fs.mknod(ROOT_INO, b"g", 0o644, 0, cr()).unwrap().ino;
+    let data = pattern(4 * BS as usize, 5);
+    fs.write(f, 0, &data).unwrap();
+    fs.write(g, 0, &data).unwrap();
+    fs.commit().unwrap();
+    // f's extent, moved one byte on in the file (key) and two into the disk extent.
+    let key = Key::new(f, kind::EXTENT_DATA, 0);
+    fs.with(|i| {
+        let (k, v) = i.store.seek_le(tree::FS, &key)?.unwrap();
+        assert_eq!(k, key);
+        let mut fe = FileExtent::read_from_bytes(&v).unwrap();
+        fe.offset = 2.into();
+        fe.num_bytes = (2 * BS).into();
+        i.store.delete(tree::FS, &key)?;
+        i.store.insert(
+            tree::FS,
+            Key::new(f, kind::EXTENT_DATA, 1),
+            fe.as_bytes().to_vec(),
+        )
+    })
+    .unwrap();
+    fs.unmount().unwrap();
+    let img = Arc::new(MemDev::from_image(dev.image()));
+    let problems = crate::check::check(img.as_ref()).unwrap().problems;
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("not on block boundaries")),
+        "{problems:?}"
+    );
+    let fs = Fs::open(img, Options::default()).unwrap();
+    for off in [0, BS, 2 * BS] {
+        let r = fs.read(f, off, BS as u32);
+        assert!(
+            matches!(r, Err(Error::Corrupt { .. })),
+            "read at {off}: {r:?}"
+        );
+    }
+    assert!(read_all(&fs, g) == data, "g differs");
+}
+
+/// A log batch inserting an item larger than a node holds is damage (no batch can):
+/// check reports it, replay stops before it, and the mount goes on to commit and
+/// unmount, leaving trees that check clean.
+#[test]
+fn replay_stops_at_a_batch_inserting_an_item_no_node_holds() {
+    let (mem, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.commit().unwrap();
+    fs.unmount().unwrap();
+    let mut image = mem.image();
+    let sb = crate::txn::Store::read_super(&MemDev::from_image(image.clone())).unwrap();
+    let mut log = crate::log::LogBuffer::new(sb.log_len, sb.log_head);
+    log.enabled = true;
+    log.record(crate::log::LogOp::Insert {
+        tree: tree::FS,
+        key: Key::new(f, kind::XATTR_ITEM, 7),
+        val: vec![0xee; 20_000],
+    });
+    let b = log.take_batch(&sb.fsid, sb.generation + 1).unwrap();
+    let at = (sb.log_start + b.offset) as usize;
+    image[at..at + b.buf.len()].copy_from_slice(&b.buf);
+    let img = Arc::new(MemDev::from_image(image));
+    let problems = crate::check::check(img.as_ref()).unwrap().problems;
+    assert!(
+        problems.len() == 1 && problems[0].contains("damaged"),
+        "check does not report the damaged batch alone: {problems:?}"
+    );
+    let fs = Fs::open(img.clone(), Options::default()).unwrap();
+    assert_eq!(fs.getattr(f).unwrap().size, 0);
+    fs.write(f, 0, b"after").unwrap();
+    fs.commit().unwrap();
+    fs.unmount().unwrap();
+    let problems = crate::check::check(img.as_ref()).unwrap().problems;
+    assert!(problems.is_empty(), "{problems:?}");
+}
+
+/// The store refuses an item larger than a node holds, with an error, before the
+/// tree or the log takes it.
+#[test]
+fn the_store_refuses_an_item_no_node_holds() {
+    let (_, fs) = mk(64 * MB);
+    let max = fs.with(|i| Ok(i.store.max_item_size())).unwrap();
+    let key = Key::new(ROOT_INO, kind::XATTR_ITEM, 7);
+    let r = fs.with(|i| i.store.insert(tree::FS, key, vec![1; max + 1]));
+    assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
+    fs.with(|i| i.store.insert(tree::FS, key, vec![1; max]))
+        .unwrap();
+    fs.commit().unwrap();
+}
+
 /// A preallocated extent that a damaged or hostile image places on a superblock, in
 /// the log area or past the end is never written in place: the writeback fails
 /// (EIO at fsync, nothing panics) and those blocks keep what they held.

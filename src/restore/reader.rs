@@ -513,7 +513,8 @@ fn replay_log(
         Ok(found) => {
             if let Some(n) = found.damaged {
                 rep.problem(format!(
-                    "log batch {n} names blocks outside the data area: it is damaged; \
+                    "log batch {n} names blocks outside the data area, or an item larger than a \
+                     node holds: it is damaged; \
                      the fsyncs it and the batches after it hold are not restored"
                 ));
             }
