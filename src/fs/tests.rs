@@ -3053,12 +3053,27 @@ fn a_power_cut_during_a_grow_in_use_keeps_every_fsynced_file() {
     );
 }
 
+/// Damage a test makes: the file extent item of `f` at file offset 0, edited by
+/// `change`, goes back at file offset `at`.
+fn rewrite_first_extent(fs: &Fs, f: u64, at: u64, change: impl Fn(&mut crate::format::FileExtent)) {
+    use zerocopy::{FromBytes, IntoBytes};
+    let key = Key::new(f, kind::EXTENT_DATA, 0);
+    fs.with(|i| {
+        let (k, v) = i.store.seek_le(tree::FS, &key)?.unwrap();
+        assert_eq!(k, key);
+        let mut fe = crate::format::FileExtent::read_from_bytes(&v).unwrap();
+        change(&mut fe);
+        i.store.delete(tree::FS, &key)?;
+        let at = Key::new(f, kind::EXTENT_DATA, at);
+        i.store.insert(tree::FS, at, fe.as_bytes().to_vec())
+    })
+    .unwrap();
+}
+
 /// A file extent off block boundaries (a damaged or hostile image: no write makes
 /// one) fails a read of it with EIO; nothing panics, and other files still read.
 #[test]
 fn a_file_extent_off_block_boundaries_fails_its_read() {
-    use crate::format::FileExtent;
-    use zerocopy::{FromBytes, IntoBytes};
     let (dev, fs) = mk(64 * MB);
     let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
     let g = fs.mknod(ROOT_INO, b"g", 0o644, 0, cr()).unwrap().ino;
@@ -3067,21 +3082,10 @@ fn a_file_extent_off_block_boundaries_fails_its_read() {
     fs.write(g, 0, &data).unwrap();
     fs.commit().unwrap();
     // f's extent, moved one byte on in the file (key) and two into the disk extent.
-    let key = Key::new(f, kind::EXTENT_DATA, 0);
-    fs.with(|i| {
-        let (k, v) = i.store.seek_le(tree::FS, &key)?.unwrap();
-        assert_eq!(k, key);
-        let mut fe = FileExtent::read_from_bytes(&v).unwrap();
+    rewrite_first_extent(&fs, f, 1, |fe| {
         fe.offset = 2.into();
         fe.num_bytes = (2 * BS).into();
-        i.store.delete(tree::FS, &key)?;
-        i.store.insert(
-            tree::FS,
-            Key::new(f, kind::EXTENT_DATA, 1),
-            fe.as_bytes().to_vec(),
-        )
-    })
-    .unwrap();
+    });
     fs.unmount().unwrap();
     let img = Arc::new(MemDev::from_image(dev.image()));
     let problems = crate::check::check(img.as_ref()).unwrap().problems;
@@ -3157,8 +3161,7 @@ fn the_store_refuses_an_item_no_node_holds() {
 /// (EIO at fsync, nothing panics) and those blocks keep what they held.
 #[test]
 fn writes_never_go_in_place_outside_the_data_area() {
-    use crate::format::{FileExtent, FILE_EXTENT_PREALLOC};
-    use zerocopy::{FromBytes, IntoBytes};
+    use crate::format::FILE_EXTENT_PREALLOC;
     let (_, probe) = mk(64 * MB);
     let (log_start, size) = probe
         .with(|i| Ok((i.store.sb.log_start, i.store.sb.total_bytes)))
@@ -3170,17 +3173,10 @@ fn writes_never_go_in_place_outside_the_data_area() {
         let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
         fs.fallocate(f, 0, 2 * BS, FallocMode::default()).unwrap();
         fs.commit().unwrap();
-        let key = Key::new(f, kind::EXTENT_DATA, 0);
-        fs.with(|i| {
-            let (k, v) = i.store.seek_le(tree::FS, &key)?.unwrap();
-            assert_eq!(k, key);
-            let mut fe = FileExtent::read_from_bytes(&v).unwrap();
+        rewrite_first_extent(&fs, f, 0, |fe| {
             assert_eq!(fe.kind, FILE_EXTENT_PREALLOC);
             fe.disk_bytenr = bad.into();
-            i.store.delete(tree::FS, &key)?;
-            i.store.insert(tree::FS, key, fe.as_bytes().to_vec())
-        })
-        .unwrap();
+        });
         fs.unmount().unwrap();
         let dev = Arc::new(MemDev::from_image(dev.image()));
         let fs = Fs::open(dev.clone(), Options::default()).unwrap();
