@@ -69,6 +69,10 @@ fn fe_of(m: &Mapping) -> FileExtent {
     }
 }
 
+/// Where the last block a file may have ends: the largest file size, rounded up to
+/// a block (a write of the last bytes maps that block whole).
+const FILE_END: u64 = MAX_FILE_SIZE.next_multiple_of(BS);
+
 /// The file extent item of `ino` at file offset `at`, refused as damage when it is
 /// none birchfs writes (see [`FileExtent::flaw`]): every use of it may then count on
 /// whole blocks within its disk extent.
@@ -105,7 +109,7 @@ impl Inner {
     fn load_map(&mut self, ino: u64) -> Result<()> {
         if self.maps.get(ino).is_none() && !self.maps.is_too_big(ino) {
             let mut map = ExtentMap::default();
-            for (off, fe) in self.extents_in_tree(ino, 0, u64::MAX >> 1)? {
+            for (off, fe) in self.extents_in_tree(ino, 0, FILE_END)? {
                 map.replace(off, mapping_of(&fe));
             }
             self.maps.put(ino, map);
@@ -148,7 +152,7 @@ impl Inner {
     pub(crate) fn extent_map(&mut self, ino: u64) -> Result<Vec<super::ExtentInfo>> {
         self.check_file(ino)?;
         Ok(self
-            .extents_in(ino, 0, u64::MAX >> 1)?
+            .extents_in(ino, 0, FILE_END)?
             .into_iter()
             .map(|(off, fe)| super::ExtentInfo {
                 offset: off,
@@ -822,7 +826,7 @@ impl Inner {
                 }
             }
             let keep = round_up(size);
-            let dropped = self.drop_range(ino, keep, u64::MAX >> 1)?;
+            let dropped = self.drop_range(ino, keep, FILE_END)?;
             i.nbytes = i.nbytes.get().saturating_sub(dropped).into();
         }
         i.size = size.into();
