@@ -185,9 +185,7 @@ impl FileExtent {
             Some("of no blocks")
         } else if off.checked_add(n).is_none_or(|e| e > len) {
             Some("reaches past its disk extent")
-        } else if at
-            .checked_add(n)
-            .is_none_or(|e| e > super::MAX_FILE_SIZE.next_multiple_of(super::BLOCK_SIZE))
+        } else if at.checked_add(n).is_none_or(|e| e > super::FILE_END)
             || disk.checked_add(len).is_none()
         {
             Some("reaches past the largest file or address")

@@ -63,6 +63,9 @@ pub const MAX_PREALLOC_SIZE: u64 = 128 << 20;
 /// Largest file size: the kernel's own for FUSE (and btrfs's), `MAX_LFS_FILESIZE`, so
 /// that every write the kernel takes into its cache can be stored.
 pub const MAX_FILE_SIZE: u64 = i64::MAX as u64;
+/// Where the last block a file may have ends: [`MAX_FILE_SIZE`] rounded up to a block
+/// (a write of the last bytes maps that block whole).
+pub const FILE_END: u64 = MAX_FILE_SIZE.next_multiple_of(BLOCK_SIZE);
 
 /// Incompatible feature flags this build understands; any other bit refuses the image.
 pub const INCOMPAT_SUPPORTED: u64 = INCOMPAT_BASE

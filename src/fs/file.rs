@@ -24,7 +24,8 @@ use crate::error::{Error, Result};
 use crate::extent_map::{ExtentMap, Mapping};
 use crate::format::{
     csum, inode_flag, kind, objectid, tree, FileExtent, InodeItem, Key, Timespec, BLOCK_SIZE,
-    FILE_EXTENT_PREALLOC, FILE_EXTENT_REG, MAX_EXTENT_SIZE, MAX_FILE_SIZE, MAX_PREALLOC_SIZE,
+    FILE_END, FILE_EXTENT_PREALLOC, FILE_EXTENT_REG, MAX_EXTENT_SIZE, MAX_FILE_SIZE,
+    MAX_PREALLOC_SIZE,
 };
 use crate::stats::Stats;
 
@@ -68,10 +69,6 @@ fn fe_of(m: &Mapping) -> FileExtent {
         num_bytes: m.len.into(),
     }
 }
-
-/// Where the last block a file may have ends: the largest file size, rounded up to
-/// a block (a write of the last bytes maps that block whole).
-const FILE_END: u64 = MAX_FILE_SIZE.next_multiple_of(BS);
 
 /// The file extent item of `ino` at file offset `at`, refused as damage when it is
 /// none birchfs writes (see [`FileExtent::flaw`]): every use of it may then count on
