@@ -26,6 +26,8 @@ pub struct Stats {
     pub dev_read_bytes: AtomicU64,
     /// Runs of contiguous dirty blocks written back (each allocated in one piece).
     pub writeback_runs: AtomicU64,
+    /// Files written back before a rename made them replace another file.
+    pub replace_writebacks: AtomicU64,
     /// Readahead windows read by the readahead thread, ahead of the reader.
     pub readahead_async: AtomicU64,
     /// Reads that waited for the device (blocks they return were not cached).
@@ -181,6 +183,7 @@ impl Stats {
             user_read_bytes: g(&self.user_read_bytes),
             dev_read_bytes: g(&self.dev_read_bytes),
             writeback_runs: g(&self.writeback_runs),
+            replace_writebacks: g(&self.replace_writebacks),
             readahead_async: g(&self.readahead_async),
             read_waits: g(&self.read_waits),
             direct_read_bytes: g(&self.direct_read_bytes),
@@ -243,6 +246,8 @@ pub struct StatsSnapshot {
     pub dev_read_bytes: u64,
     /// See [`Stats::writeback_runs`].
     pub writeback_runs: u64,
+    /// See [`Stats::replace_writebacks`].
+    pub replace_writebacks: u64,
     /// See [`Stats::readahead_async`].
     pub readahead_async: u64,
     /// See [`Stats::read_waits`].
@@ -455,7 +460,7 @@ impl StatsSnapshot {
                 "{{\"readonly\":{},\"fsyncs\":{},\"fsyncs_noop\":{},\"fsyncs_relogged\":{},\"log_commits\":{},\"log_commits_overlapped\":{},\"log_flushes_shared\":{},\"full_commits\":{},",
                 "\"fallbacks\":{},\"commits_deferred\":{},\"shared_cows\":{},\"bytes\":{{\"user\":{},\"data\":{},\"metadata\":{},\"log\":{},",
                 "\"superblock\":{},\"device_total\":{},\"prealloc_filled\":{},\"user_read\":{},\"device_read\":{},\"cloned\":{},\"direct_read\":{},\"discarded\":{}}},",
-                "\"writeback_runs\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},\"standby\":{{\"served\":{},\"parks\":{}}},",
+                "\"writeback_runs\":{},\"replace_writebacks\":{},\"readahead_async\":{},\"read_waits\":{},\"direct_handles\":{},\"cache\":{{\"bytes\":{},\"dirty\":{},\"limit\":{},\"squeezes\":{}}},\"flushes\":{},\"uring_requests\":{},\"standby\":{{\"served\":{},\"parks\":{}}},",
                 "\"requests\":{},\"gather\":{{\"chosen\":{},\"declined\":{},\"overlap\":{}}},",
                 "\"latency_us\":{{\"fsync\":{},\"commit\":{},\"log_flush\":{},\"log_write\":{},\"fsync_prepare\":{},\"fsync_queue\":{},\"fsync_gather\":{}}}}}"
             ),
@@ -483,6 +488,7 @@ impl StatsSnapshot {
             self.direct_read_bytes,
             self.dev_discarded_bytes,
             self.writeback_runs,
+            self.replace_writebacks,
             self.readahead_async,
             self.read_waits,
             self.direct_handles,
@@ -585,6 +591,11 @@ impl StatsSnapshot {
         );
         row(&mut s, "device bytes read", self.dev_read_bytes.to_string());
         row(&mut s, "writeback runs", self.writeback_runs.to_string());
+        row(
+            &mut s,
+            "files written back to replace another",
+            self.replace_writebacks.to_string(),
+        );
         row(
             &mut s,
             "readahead windows ahead",

@@ -392,6 +392,34 @@ fn files_stay_whole_while_memory_pressure_squeezes_the_cache_again_and_again() {
 }
 
 /// Bytes read through opens that bypass the kernel's page cache, per the daemon.
+/// Replacing a file the usual way (write a new one, close it, rename it over the old,
+/// no fsync) writes the new data back before the rename: close hands the kernel's
+/// dirty pages to the daemon, and the rename does not go ahead of their writeback (so
+/// a crash never keeps the rename without the data).
+#[test]
+fn a_file_written_and_renamed_over_another_is_written_back_first() {
+    let mut m = Mount::new();
+    let count = |m: &Mount| {
+        daemon_stats(m)["replace_writebacks"]
+            .as_u64()
+            .expect("replace_writebacks")
+    };
+    fs::write(m.path("a"), b"old").unwrap();
+    fs::write(m.path("b"), b"moved").unwrap();
+    fs::rename(m.path("b"), m.path("c")).unwrap();
+    assert_eq!(
+        count(&m),
+        0,
+        "a rename onto a free name does not write back"
+    );
+    let new = vec![7u8; 100_000];
+    fs::write(m.path("a.tmp"), &new).unwrap();
+    fs::rename(m.path("a.tmp"), m.path("a")).unwrap();
+    assert_eq!(count(&m), 1, "the replacing file is written back");
+    assert_eq!(fs::read(m.path("a")).unwrap(), new);
+    m.unmount();
+}
+
 fn direct_read_bytes(m: &Mount) -> u64 {
     daemon_stats(m)["bytes"]["direct_read"]
         .as_u64()

@@ -353,6 +353,11 @@ enum Promise {
     },
     /// A snapshot taken or deleted: (un)done for good once the call returned.
     Snapshot { name: &'static str },
+    /// A file renamed over another file (with room on the host): wherever a crash
+    /// keeps the rename, the file holds its data as of the rename or later, never
+    /// older data (ext4's `auto_da_alloc`: replacing a file by writing a new one and
+    /// renaming it over the old without fsync leaves one of the two whole).
+    Replaced { id: u64, ino: u64, path: String },
 }
 
 struct Run {
@@ -543,6 +548,7 @@ fn record_with(base: &[u8], ops: Vec<Op>, discard: Option<u64>) -> (Arc<CrashDev
     let mut full = false;
     let mut synced_while_full = false;
     for (i, op) in ops.iter().enumerate() {
+        let replaced = (!full).then(|| replace_promise(&fs, &m, op)).flatten();
         // Whether the op did what it promises (a failed sync promises nothing).
         let done = match op {
             Op::NoRoom(on) => {
@@ -572,6 +578,9 @@ fn record_with(base: &[u8], ops: Vec<Op>, discard: Option<u64>) -> (Arc<CrashDev
             run.promises
                 .push((dev.op_count(), i, Promise::Snapshot { name }));
         }
+        if let Some(pr) = replaced {
+            run.promises.push((dev.op_count(), i, pr));
+        }
         run.history.push(m.clone());
     }
     if synced_while_full {
@@ -600,6 +609,25 @@ fn fsync_promise(fs: &Fs, m: &Model, op: &Op) -> Option<Promise> {
             path: p.clone(),
             data_only: matches!(op, Op::Fdatasync(_)),
         }
+    })
+}
+
+/// What the rename `op` promises when it puts a file over another file (`m`: the
+/// model before it), and the file was never at that path before.
+fn replace_promise(fs: &Fs, m: &Model, op: &Op) -> Option<Promise> {
+    let Op::Rename(from, to) = op else {
+        return None;
+    };
+    let file = |p: &String| {
+        m.names
+            .get(p)
+            .filter(|id| m.nodes.get(id).is_some_and(|n| !n.dir && !n.symlink))
+    };
+    let (&id, &old) = (file(from)?, file(to)?);
+    (id != old).then(|| Promise::Replaced {
+        id,
+        ino: fs.resolve(from).unwrap().ino,
+        path: to.clone(),
     })
 }
 
@@ -745,6 +773,26 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                     ok,
                     "{what}: {path} (fsynced at op {i}) has {} bytes, mode {:o}, xattrs {:?}, flags {:#x}: no version since the fsync matches\nops: {:?}",
                     data.len(), a.perm, xs.keys().collect::<Vec<_>>(), a.flags, run.ops
+                );
+            }
+            Promise::Replaced { id, ino, path } => {
+                // Only where the path reaches the file for the first time with this
+                // rename: a crash state from before an earlier stay there could
+                // rightly show older data.
+                let before = &run.history[..*i];
+                if before.iter().any(|m| m.names.get(path) == Some(id)) {
+                    continue;
+                }
+                let Ok(a) = fs.resolve(path) else { continue };
+                if a.ino != *ino {
+                    continue;
+                }
+                let d = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
+                assert!(
+                    later.iter().filter_map(|m| m.nodes.get(id)).any(|v| v.data == d),
+                    "{what}: {path}, renamed over another file at op {i}, has {} bytes: no version since the rename matches\nops: {:?}",
+                    d.len(),
+                    run.ops
                 );
             }
             Promise::Snapshot { name } => {
@@ -1571,6 +1619,27 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
                 Fsync(s("/d")),
                 Create(s("/d/e")),
                 Fsync(s("/d/e")),
+            ],
+        ),
+        // A file replaced by writing a new one and renaming it over the old, without
+        // fsync; a later fsync of another file (or a commit) makes the rename durable.
+        (
+            "a file replaced by rename without fsync, then another file fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Write(s("/d/a"), 0, 7000, 1),
+                Fsync(s("/d/a")),
+                Create(s("/d/t")),
+                Write(s("/d/t"), 0, 9000, 2),
+                Rename(s("/d/t"), s("/d/a")),
+                Create(s("/z")),
+                Fsync(s("/z")),
+                Create(s("/d/t")),
+                Write(s("/d/t"), 0, 3000, 3),
+                Chmod(s("/d/t"), 0o600),
+                Rename(s("/d/t"), s("/d/a")),
+                Sync,
             ],
         ),
     ]

@@ -24,7 +24,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::cache::{CacheOptions, PageCache};
 use crate::dev::{BlockDev, FileDev};
 use crate::error::{Error, Result};
-use crate::format::{inode_flag, objectid, tree, Key, Timespec};
+use crate::format::{inode_flag, objectid, tree, DirEntry, Key, Timespec};
 use crate::stats::{Stats, StatsSnapshot};
 use crate::txn::Store;
 
@@ -1068,7 +1068,35 @@ impl Fs {
     ) -> Result<()> {
         Self::live_dir(parent)?;
         Self::live_dir(newparent)?;
+        if !flags.exchange && !flags.noreplace {
+            self.write_back_replacing(parent, name, newparent, newname);
+        }
         self.with_space(|i| i.rename(parent, name, newparent, newname, flags))
+    }
+
+    /// Before a rename of a regular file over another: writes back the cached data of
+    /// the file that takes the name, so that the rename, logged after that data, never
+    /// becomes durable without it (ext4's `auto_da_alloc`). Replacing a file by writing
+    /// a new one and renaming it over the old without fsync then leaves the old
+    /// content or the new after a crash, never an empty or short file. A failed
+    /// writeback does not stop the rename (the data stays cached, as before).
+    fn write_back_replacing(&self, parent: u64, name: &[u8], newparent: u64, newname: &[u8]) {
+        let file = |e: Option<DirEntry>| e.filter(|e| e.dtype == libc::DT_REG).map(|e| e.ino);
+        let src = self.with(|i| {
+            let src = file(i.find_entry(parent, name)?);
+            let old = file(i.find_entry(newparent, newname)?);
+            Ok(src.filter(|&s| old.is_some_and(|o| o != s)))
+        });
+        let Ok(Some(ino)) = src else {
+            return;
+        };
+        if !self.cache.has_dirty(ino) {
+            return;
+        }
+        Stats::add(&self.stats.replace_writebacks, 1);
+        if let Err(e) = self.writeback(ino, u64::MAX) {
+            tracing::warn!("writeback of inode {ino} before it replaces another: {e}");
+        }
     }
 
     /// rename with RENAME_WHITEOUT (overlayfs's upper layer): moves the entry and puts
@@ -1089,6 +1117,9 @@ impl Fs {
             noreplace,
             exchange: false,
         };
+        if !noreplace {
+            self.write_back_replacing(parent, name, newparent, newname);
+        }
         self.with_space(|i| {
             // Room for the whiteout first, so that the rename is never left without it.
             i.need_room()?;

@@ -697,6 +697,36 @@ fn fsync_goes_to_the_log_and_counts_seed_one_cases() {
 }
 
 #[test]
+fn a_file_renamed_over_another_is_written_back_first() {
+    let (dev, fs) = mk(64 * MB);
+    let old = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap();
+    fs.write(old.ino, 0, &pattern(7000, 1)).unwrap();
+    fs.fsync(old.ino, false).unwrap();
+    let new = fs.mknod(ROOT_INO, b"t", 0o644, 0, cr()).unwrap();
+    let data = pattern(9000, 2);
+    fs.write(new.ino, 0, &data).unwrap();
+    // A rename onto a free name leaves the data cached.
+    fs.rename(ROOT_INO, b"t", ROOT_INO, b"u", RenameFlags::default())
+        .unwrap();
+    assert!(fs.cache.has_dirty(new.ino), "moved, not written back");
+    assert_eq!(fs.stats().replace_writebacks, 0);
+    // Over a file, it is written back before the rename.
+    fs.rename(ROOT_INO, b"u", ROOT_INO, b"a", RenameFlags::default())
+        .unwrap();
+    assert!(!fs.cache.has_dirty(new.ino), "written back");
+    assert_eq!(fs.stats().replace_writebacks, 1);
+    // Another file's fsync makes the rename durable, and the data with it.
+    let z = fs.mknod(ROOT_INO, b"z", 0o644, 0, cr()).unwrap();
+    fs.fsync(z.ino, false).unwrap();
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs);
+    let fs = Fs::open(crashed, Options::default()).unwrap();
+    let a = fs.lookup(ROOT_INO, b"a").unwrap();
+    assert_eq!(a.ino, new.ino);
+    assert_eq!(read_all(&fs, a.ino), data);
+}
+
+#[test]
 fn a_nearly_full_log_is_committed_before_an_fsync_must_fall_back() {
     let (dev, fs) = mk(40 * MB);
     let blocks = Fs::superblock_of(dev.as_ref()).unwrap().log_len / 4096;
