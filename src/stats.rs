@@ -26,7 +26,8 @@ pub struct Stats {
     pub dev_read_bytes: AtomicU64,
     /// Runs of contiguous dirty blocks written back (each allocated in one piece).
     pub writeback_runs: AtomicU64,
-    /// Files written back before a rename made them replace another file.
+    /// Files written back so that a replacement survives a crash whole: before a
+    /// rename puts them over another file, or at their close after a truncate to 0.
     pub replace_writebacks: AtomicU64,
     /// Readahead windows read by the readahead thread, ahead of the reader.
     pub readahead_async: AtomicU64,

@@ -420,6 +420,37 @@ fn a_file_written_and_renamed_over_another_is_written_back_first() {
     m.unmount();
 }
 
+/// Rewriting a file in place (open(O_TRUNC), write, close, no fsync) writes the new
+/// data back at the close, so a crash that keeps the truncate keeps the data too.
+#[test]
+fn a_file_rewritten_in_place_is_written_back_at_its_close() {
+    let mut m = Mount::new();
+    let count = |m: &Mount| {
+        daemon_stats(m)["replace_writebacks"]
+            .as_u64()
+            .expect("replace_writebacks")
+    };
+    fs::write(m.path("a"), b"old content").unwrap();
+    fs::write(m.path("b"), b"appended").unwrap();
+    OpenOptions::new()
+        .append(true)
+        .open(m.path("b"))
+        .unwrap()
+        .write_all(b" more")
+        .unwrap();
+    assert_eq!(count(&m), 0, "an append is left to writeback");
+    let new = vec![9u8; 100_000];
+    fs::write(m.path("a"), &new).unwrap();
+    // The kernel sends RELEASE after close() has returned.
+    assert!(
+        wait_until(std::time::Duration::from_secs(10), || count(&m) == 1),
+        "the rewritten file is written back at its release: {}",
+        count(&m)
+    );
+    assert_eq!(fs::read(m.path("a")).unwrap(), new);
+    m.unmount();
+}
+
 fn direct_read_bytes(m: &Mount) -> u64 {
     daemon_stats(m)["bytes"]["direct_read"]
         .as_u64()

@@ -27,6 +27,9 @@ enum Op {
     Mkdir(String),
     Write(String, u64, usize, u8),
     Truncate(String, u64),
+    /// A file rewritten in place: open(O_TRUNC), a write of this many bytes of this
+    /// value from the start, close.
+    Rewrite(String, usize, u8),
     Punch(String, u64, u64),
     Falloc(String, u64, u64, bool),
     /// fallocate ZERO_RANGE (keep size if true).
@@ -175,6 +178,7 @@ impl Model {
             Op::Create(p) | Op::Mkdir(p) => free(p),
             Op::Write(p, ..)
             | Op::Truncate(p, _)
+            | Op::Rewrite(p, ..)
             | Op::Punch(p, ..)
             | Op::Falloc(p, ..)
             | Op::Zero(p, ..) => self.is_file(p),
@@ -253,6 +257,9 @@ impl Model {
                 .unwrap()
                 .data
                 .resize(*s as usize, 0),
+            Op::Rewrite(p, len, b) => {
+                self.nodes.get_mut(&self.names[p]).unwrap().data = vec![*b; *len];
+            }
             Op::Punch(p, off, len) => {
                 let d = &mut self.nodes.get_mut(&self.names[p]).unwrap().data;
                 let s = (*off as usize).min(d.len());
@@ -400,6 +407,17 @@ fn exec(fs: &Fs, op: &Op) {
                 },
             )
             .unwrap();
+        }
+        Op::Rewrite(p, len, b) => {
+            let f = ino(p);
+            fs.open_ino(f).unwrap();
+            let empty = SetAttr {
+                size: Some(0),
+                ..Default::default()
+            };
+            fs.setattr(f, &empty).unwrap();
+            fs.write(f, 0, &vec![*b; *len]).unwrap();
+            fs.release(f).unwrap();
         }
         Op::Punch(p, off, len) => {
             fs.fallocate(
@@ -1642,6 +1660,24 @@ fn hard_cases() -> Vec<(&'static str, Vec<Op>)> {
                 Sync,
             ],
         ),
+        // A file rewritten in place without fsync (open(O_TRUNC), write, close); a
+        // later fsync of another file makes the truncate durable.
+        (
+            "a file rewritten in place without fsync, then another file fsynced",
+            vec![
+                Mkdir(s("/d")),
+                Create(s("/d/a")),
+                Write(s("/d/a"), 0, 7000, 1),
+                Fsync(s("/d/a")),
+                Rewrite(s("/d/a"), 9000, 2),
+                Create(s("/z")),
+                Fsync(s("/z")),
+                Rewrite(s("/d/a"), 3000, 3),
+                Chmod(s("/d/a"), 0o600),
+                Fsync(s("/d")),
+                Sync,
+            ],
+        ),
     ]
 }
 
@@ -1749,6 +1785,7 @@ fn random_op(rng: &mut StdRng, m: &Model, top: &str, kind: u32) -> Op {
             rng.gen_range(1..20000),
             rng.gen(),
         ),
+        2 if rng.gen_ratio(1, 3) => Op::Rewrite(f, rng.gen_range(1..20000), rng.gen()),
         2 => Op::Truncate(f, rng.gen_range(0..20000)),
         3 => Op::Link(f, g),
         4 => Op::Unlink(f),
@@ -1795,6 +1832,7 @@ fn fsync_after(rng: &mut StdRng, m: &Model, op: &Op, top: &str) -> Op {
         | Op::Rmdir(p)
         | Op::Write(p, ..)
         | Op::Truncate(p, _)
+        | Op::Rewrite(p, ..)
         | Op::Punch(p, ..)
         | Op::SetXattr(p, ..)
         | Op::Falloc(p, ..)

@@ -1188,7 +1188,14 @@ impl Fs {
             // Dirty data wholly past the new size is dropped unwritten.
             self.settle_for_change(ino, size.div_ceil(fsz), size / fsz)?;
         }
-        self.with_space(|i| i.setattr(ino, set))
+        self.with_space(|i| {
+            let emptied = size == 0 && i.pinned(ino) && i.get_inode(ino)?.size.get() > 0;
+            let a = i.setattr(ino, set)?;
+            if emptied {
+                i.flush_on_close.insert(ino);
+            }
+            Ok(a)
+        })
     }
 
     /// Allocates, or with `punch_hole` deallocates, or with `zero_range` zeroes and

@@ -204,6 +204,10 @@ pub(crate) struct Inner {
     open_orphans: rustc_hash::FxHashSet<u64>,
     /// See [`PendingAttr`].
     pending: rustc_hash::FxHashMap<u64, PendingAttr>,
+    /// Open files truncated to size 0: their next release writes back what was
+    /// written since, as btrfs and ext4 do (a file rewritten in place by
+    /// open(O_TRUNC), write, close then does not come back empty after a crash).
+    flush_on_close: rustc_hash::FxHashSet<u64>,
     /// The page cache, to drop the folios of freed inodes.
     cache: Arc<PageCache>,
     /// Extent maps of the files used lately (seed 2).
@@ -320,6 +324,7 @@ impl Fs {
             pins: Default::default(),
             open_orphans: Default::default(),
             pending: Default::default(),
+            flush_on_close: Default::default(),
             maps: Default::default(),
             cache: Arc::new(PageCache::new(CacheOptions {
                 cache_size: 1 << 20,
@@ -350,6 +355,7 @@ impl Fs {
             pins: Default::default(),
             open_orphans: Default::default(),
             pending: Default::default(),
+            flush_on_close: Default::default(),
             maps: Default::default(),
             cache: cache.clone(),
         };
@@ -923,9 +929,21 @@ impl Fs {
         })
     }
 
-    /// Releases an open handle of `ino`.
+    /// Releases an open handle of `ino`; writes back its cached data if it was
+    /// truncated to size 0 while open (see `Inner::flush_on_close`).
     pub fn release(&self, ino: u64) -> Result<()> {
-        self.with(|i| i.unpin(ino, 1))
+        let flush = self.with(|i| {
+            let flush = i.flush_on_close.remove(&ino);
+            i.unpin(ino, 1)?;
+            Ok(flush)
+        })?;
+        if flush && self.cache.has_dirty(ino) {
+            Stats::add(&self.stats.replace_writebacks, 1);
+            if let Err(e) = self.writeback(ino, u64::MAX) {
+                tracing::warn!("writeback of inode {ino} at its close after a truncate: {e}");
+            }
+        }
+        Ok(())
     }
 
     /// Attributes of `ino`.

@@ -727,6 +727,47 @@ fn a_file_renamed_over_another_is_written_back_first() {
 }
 
 #[test]
+fn a_file_truncated_to_zero_while_open_is_written_back_at_its_release() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, &pattern(7000, 1)).unwrap();
+    fs.fsync(f.ino, false).unwrap();
+    let empty = SetAttr {
+        size: Some(0),
+        ..Default::default()
+    };
+    // Truncated with no handle open, or shortened but not emptied: nothing at release.
+    fs.setattr(f.ino, &empty).unwrap();
+    fs.write(f.ino, 0, &pattern(5000, 2)).unwrap();
+    fs.open_ino(f.ino).unwrap();
+    let short = SetAttr {
+        size: Some(100),
+        ..Default::default()
+    };
+    fs.setattr(f.ino, &short).unwrap();
+    fs.write(f.ino, 100, &pattern(5000, 3)).unwrap();
+    fs.release(f.ino).unwrap();
+    assert!(fs.cache.has_dirty(f.ino), "left to writeback");
+    assert_eq!(fs.stats().replace_writebacks, 0);
+    // open(O_TRUNC), write, close.
+    fs.open_ino(f.ino).unwrap();
+    fs.setattr(f.ino, &empty).unwrap();
+    let data = pattern(9000, 4);
+    fs.write(f.ino, 0, &data).unwrap();
+    fs.release(f.ino).unwrap();
+    assert!(!fs.cache.has_dirty(f.ino), "written back at the release");
+    assert_eq!(fs.stats().replace_writebacks, 1);
+    // Another file's fsync makes the truncate durable, and the new data with it.
+    let z = fs.mknod(ROOT_INO, b"z", 0o644, 0, cr()).unwrap();
+    fs.fsync(z.ino, false).unwrap();
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs);
+    let fs = Fs::open(crashed, Options::default()).unwrap();
+    let a = fs.lookup(ROOT_INO, b"f").unwrap();
+    assert_eq!(read_all(&fs, a.ino), data);
+}
+
+#[test]
 fn a_nearly_full_log_is_committed_before_an_fsync_must_fall_back() {
     let (dev, fs) = mk(40 * MB);
     let blocks = Fs::superblock_of(dev.as_ref()).unwrap().log_len / 4096;
