@@ -134,7 +134,8 @@ impl Allocator {
 
     /// Removes `[start, start+len)` from free space wherever it is free.
     pub(crate) fn mark_used(&mut self, start: u64, len: u64) {
-        let end = start + len;
+        // (Extent keys read from a damaged image may reach past the address space.)
+        let end = start.saturating_add(len);
         let overl: Vec<(u64, u64)> = self
             .free
             .range(..end)

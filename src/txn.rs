@@ -753,7 +753,13 @@ impl Store {
         let key = Key::new(h.bytenr, kind::EXTENT_ITEM, h.len);
         let old = self.extent_item(h.bytenr, h.len)?;
         let old_refs = old.map(|o| o.refs.get() as i64).unwrap_or(0);
-        let new_refs = old_refs + h.delta;
+        let Some(new_refs) = old_refs.checked_add(h.delta).filter(|_| old_refs >= 0) else {
+            return Err(Error::corrupt(
+                "extent item",
+                h.bytenr,
+                format!("refcount {} out of range", old.map_or(0, |o| o.refs.get())),
+            ));
+        };
         if new_refs < 0 {
             return Err(Error::corrupt(
                 "extent item",
@@ -764,7 +770,8 @@ impl Store {
         if new_refs == 0 {
             if old.is_some() {
                 self.delete(tree::EXTENT, &key)?;
-                self.bytes_used -= h.len;
+                // (A damaged superblock may count less than its extents hold.)
+                self.bytes_used = self.bytes_used.saturating_sub(h.len);
             }
             if h.flags & EXTENT_FLAG_DATA != 0 {
                 // One checksum item for the extent, or one per piece of a
@@ -796,7 +803,7 @@ impl Store {
                     .into(),
             };
             if old.is_none() {
-                self.bytes_used += h.len;
+                self.bytes_used = self.bytes_used.saturating_add(h.len);
             }
             self.insert(tree::EXTENT, key, item.as_bytes().to_vec())?;
         }
@@ -1267,7 +1274,9 @@ impl NodeStore for Store {
         let ns = self.sb.node_size as usize;
         if addr % 4096 != 0
             || addr < self.sb.log_start + self.sb.log_len
-            || addr + ns as u64 > self.sb.total_bytes
+            || addr
+                .checked_add(ns as u64)
+                .is_none_or(|end| end > self.sb.total_bytes)
         {
             return Err(Error::corrupt(
                 "tree node",

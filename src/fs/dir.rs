@@ -46,6 +46,23 @@ fn is_dir(i: &InodeItem) -> bool {
     i.mode.get() & libc::S_IFMT == libc::S_IFDIR
 }
 
+/// The entries of a dir item or dir index of directory `dir`, each naming an inode
+/// number a tree can hold (see `snapshot::LIVE_INO_LIMIT`).
+fn entries(v: &[u8], dir: u64, what: &'static str) -> Result<Vec<DirEntry>> {
+    let list = decode_dir_entries(v).ok_or_else(|| Error::corrupt(what, dir, "malformed"))?;
+    match list
+        .iter()
+        .find(|e| e.ino >= super::snapshot::LIVE_INO_LIMIT)
+    {
+        Some(e) => Err(Error::corrupt(
+            what,
+            dir,
+            format!("entry names inode {}, past the largest", e.ino),
+        )),
+        None => Ok(list),
+    }
+}
+
 impl Inner {
     /// A directory's inode item, or ENOTDIR / ENOENT.
     fn dir_inode(&mut self, dir: u64) -> Result<InodeItem> {
@@ -61,8 +78,7 @@ impl Inner {
         let Some(v) = self.store.search(t, &dir_item_key(local, name))? else {
             return Ok(None);
         };
-        let list =
-            decode_dir_entries(&v).ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))?;
+        let list = entries(&v, dir, "dir item")?;
         Ok(list.into_iter().find(|e| e.name == name).map(|mut e| {
             e.ino = join(t, e.ino);
             e
@@ -131,9 +147,7 @@ impl Inner {
     /// The entries of live directory `dir` that share `name`'s dir item (its hash).
     fn dir_item(&mut self, dir: u64, name: &[u8]) -> Result<Vec<DirEntry>> {
         match self.store.search(tree::FS, &dir_item_key(dir, name))? {
-            Some(v) => {
-                decode_dir_entries(&v).ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))
-            }
+            Some(v) => entries(&v, dir, "dir item"),
             None => Ok(Vec::new()),
         }
     }
@@ -215,8 +229,7 @@ impl Inner {
         let now = Timespec::now();
         let ik = dir_item_key(dir, name);
         let v = self.store.search(tree::FS, &ik)?.ok_or(Error::NotFound)?;
-        let mut list =
-            decode_dir_entries(&v).ok_or_else(|| Error::corrupt("dir item", dir, "malformed"))?;
+        let mut list = entries(&v, dir, "dir item")?;
         let pos = list
             .iter()
             .position(|e| e.name == name)
@@ -689,7 +702,7 @@ impl Inner {
             want,
         )?;
         for (k, v) in items {
-            let mut l = decode_dir_entries(&v)
+            let mut l = Some(entries(&v, ino, "dir index")?)
                 .filter(|l| l.len() == 1)
                 .ok_or_else(|| Error::corrupt("dir index", ino, "malformed"))?;
             let e = l.pop().unwrap();

@@ -3270,3 +3270,43 @@ fn writes_never_go_in_place_outside_the_data_area() {
         drop(fs);
     }
 }
+
+/// A directory entry naming an inode number past what a tree holds (a damaged or
+/// hostile image: it would read as an inode of a snapshot) fails with EIO; the
+/// directory's other names still resolve.
+#[test]
+fn a_dir_entry_naming_an_inode_past_the_largest_fails_with_eio() {
+    use crate::format::{decode_dir_entries, encode_dir_entries};
+    let (dev, fs) = mk(64 * MB);
+    fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    let g = fs.mknod(ROOT_INO, b"g", 0o644, 0, cr()).unwrap().ino;
+    fs.commit().unwrap();
+    let far = 1u64 << 41;
+    fs.with(|i| {
+        let start = Key::new(ROOT_INO, kind::DIR_ITEM, 0);
+        let end = Key::new(ROOT_INO, kind::DIR_INDEX + 1, 0);
+        for (k, v) in i.store.range(tree::FS, &start, &end, 100)? {
+            let mut l = decode_dir_entries(&v).unwrap();
+            if l.iter().any(|e| e.name == b"f") {
+                for e in l.iter_mut().filter(|e| e.name == b"f") {
+                    e.ino = far;
+                }
+                i.store.insert(tree::FS, k, encode_dir_entries(&l))?;
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    fs.unmount().unwrap();
+    let fs = Fs::open(
+        Arc::new(MemDev::from_image(dev.image())),
+        Options::default(),
+    )
+    .unwrap();
+    let e = fs.lookup(ROOT_INO, b"f").unwrap_err();
+    assert_eq!(e.errno(), libc::EIO, "{e}");
+    assert!(e.to_string().contains("past the largest"), "{e}");
+    let e = fs.readdir(ROOT_INO, 0, 100).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO, "{e}");
+    assert_eq!(fs.lookup(ROOT_INO, b"g").unwrap().ino, g);
+}
