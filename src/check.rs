@@ -739,6 +739,14 @@ fn check_namespace(
                                 String::from_utf8_lossy(&e.name)
                             ));
                         }
+                        if e.ino >= crate::fs::LIVE_INO_LIMIT {
+                            w.problem(format!(
+                                "dir {}: entry {:?} names inode {}, past the largest",
+                                k.objectid,
+                                String::from_utf8_lossy(&e.name),
+                                e.ino
+                            ));
+                        }
                         if e.dtype == libc::DT_DIR {
                             *subdirs.entry(k.objectid).or_default() += 1;
                         }

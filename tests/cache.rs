@@ -391,7 +391,6 @@ fn files_stay_whole_while_memory_pressure_squeezes_the_cache_again_and_again() {
     m.unmount();
 }
 
-/// Bytes read through opens that bypass the kernel's page cache, per the daemon.
 /// Replacing a file the usual way (write a new one, close it, rename it over the old,
 /// no fsync) writes the new data back before the rename: close hands the kernel's
 /// dirty pages to the daemon, and the rename does not go ahead of their writeback (so
@@ -451,6 +450,7 @@ fn a_file_rewritten_in_place_is_written_back_at_its_close() {
     m.unmount();
 }
 
+/// Bytes read through opens that bypass the kernel's page cache, per the daemon.
 fn direct_read_bytes(m: &Mount) -> u64 {
     daemon_stats(m)["bytes"]["direct_read"]
         .as_u64()

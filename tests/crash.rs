@@ -775,18 +775,21 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                 }
                 let meta =
                     |n: &Node| n.mode == a.perm as u32 && n.xattrs == xs && n.flags == a.flags;
-                let versions = || later.iter().filter_map(|m| m.nodes.get(id));
-                // fdatasync keeps the data and size; fsync all attributes too.
-                let ok = versions().any(|n| n.data == data && (*data_only || meta(n)));
-                // Data written since the promise and not fsynced may lag the file's
-                // attributes: an attribute change is logged at once, and an fsync of
-                // another inode makes it durable, while the data waits in the cache
-                // for writeback (delayed allocation, as on ext4 and XFS). The same
-                // after an fsync of the file that failed for want of room on the host.
-                // Data and attributes must each still be a version since the promise.
-                let lagged =
-                    versions().any(|n| n.data == data) && (*data_only || versions().any(meta));
-                let ok = ok || lagged;
+                // fdatasync keeps the data and size; fsync all attributes too. Each
+                // must be a version since the promise, and the data no newer than the
+                // attributes: data written since and not fsynced may lag the file's
+                // attributes (an attribute change is logged at once, and an fsync of
+                // another inode makes it durable, while the data waits in the cache for
+                // writeback: delayed allocation, as on ext4 and XFS; the same after an
+                // fsync of the file that failed for want of room on the host), but an
+                // attribute change never lags data written after it (the log keeps
+                // their order).
+                let first_data = later
+                    .iter()
+                    .position(|m| m.nodes.get(id).is_some_and(|n| n.data == data));
+                let ok = first_data.is_some_and(|k| {
+                    *data_only || later[k..].iter().filter_map(|m| m.nodes.get(id)).any(meta)
+                });
                 assert!(
                     ok,
                     "{what}: {path} (fsynced at op {i}) has {} bytes, mode {:o}, xattrs {:?}, flags {:#x}: no version since the fsync matches\nops: {:?}",

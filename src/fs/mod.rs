@@ -33,6 +33,7 @@ pub(crate) const FIXED: u64 = inode_flag::IMMUTABLE | inode_flag::APPEND;
 
 pub use acl::is_acl_name;
 pub use inode::{without_suid, Attr, FileKind, SetAttr, TimeSet};
+pub(crate) use snapshot::LIVE_INO_LIMIT;
 pub use snapshot::{
     check_snapshot_name, is_snapshot_ino, SnapshotInfo, SNAPSHOTS_INO, SNAPSHOTS_NAME,
 };
@@ -927,6 +928,11 @@ impl Fs {
             i.pin(ino, 1);
             Ok(a)
         })
+    }
+
+    /// Undoes an [`Fs::open_ino`] whose open was refused (no handle was made).
+    pub fn cancel_open(&self, ino: u64) -> Result<()> {
+        self.with(|i| i.unpin(ino, 1))
     }
 
     /// Releases an open handle of `ino`; writes back its cached data if it was

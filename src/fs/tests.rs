@@ -3298,6 +3298,11 @@ fn a_dir_entry_naming_an_inode_past_the_largest_fails_with_eio() {
     })
     .unwrap();
     fs.unmount().unwrap();
+    let problems = check_image(&dev);
+    assert!(
+        problems.iter().any(|p| p.contains("past the largest")),
+        "{problems:?}"
+    );
     let fs = Fs::open(
         Arc::new(MemDev::from_image(dev.image())),
         Options::default(),

@@ -892,11 +892,11 @@ impl FuseFs {
         }
         match self.fs.open_ino(ino) {
             Ok(a) if a.kind == FileKind::Dir => {
-                let _ = self.fs.release(a.ino);
+                let _ = self.fs.cancel_open(a.ino);
                 reply.error(err(libc::EISDIR))
             }
             Ok(a) if Fs::check_open(&a, flags).is_err() => {
-                let _ = self.fs.release(a.ino);
+                let _ = self.fs.cancel_open(a.ino);
                 reply.error(err(libc::EPERM))
             }
             Ok(a) if a.kind == FileKind::File => {
