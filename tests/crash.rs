@@ -1788,7 +1788,12 @@ fn random_op(rng: &mut StdRng, m: &Model, top: &str, kind: u32) -> Op {
             rng.gen_range(1..20000),
             rng.gen(),
         ),
-        2 if rng.gen_ratio(1, 3) => Op::Rewrite(f, rng.gen_range(1..20000), rng.gen()),
+        // Not among threads: another thread's fsync between the truncate and the
+        // release may make the truncate durable alone (as on ext4 and btrfs), which
+        // the model, taking the rewrite as one step, does not show.
+        2 if top.is_empty() && rng.gen_ratio(1, 3) => {
+            Op::Rewrite(f, rng.gen_range(1..20000), rng.gen())
+        }
         2 => Op::Truncate(f, rng.gen_range(0..20000)),
         3 => Op::Link(f, g),
         4 => Op::Unlink(f),
