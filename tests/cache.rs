@@ -391,6 +391,13 @@ fn files_stay_whole_while_memory_pressure_squeezes_the_cache_again_and_again() {
     m.unmount();
 }
 
+/// Files the daemon wrote back so that a replacement survives a crash whole.
+fn replace_writebacks(m: &Mount) -> u64 {
+    daemon_stats(m)["replace_writebacks"]
+        .as_u64()
+        .expect("replace_writebacks")
+}
+
 /// Replacing a file the usual way (write a new one, close it, rename it over the old,
 /// no fsync) writes the new data back before the rename: close hands the kernel's
 /// dirty pages to the daemon, and the rename does not go ahead of their writeback (so
@@ -398,23 +405,22 @@ fn files_stay_whole_while_memory_pressure_squeezes_the_cache_again_and_again() {
 #[test]
 fn a_file_written_and_renamed_over_another_is_written_back_first() {
     let mut m = Mount::new();
-    let count = |m: &Mount| {
-        daemon_stats(m)["replace_writebacks"]
-            .as_u64()
-            .expect("replace_writebacks")
-    };
     fs::write(m.path("a"), b"old").unwrap();
     fs::write(m.path("b"), b"moved").unwrap();
     fs::rename(m.path("b"), m.path("c")).unwrap();
     assert_eq!(
-        count(&m),
+        replace_writebacks(&m),
         0,
         "a rename onto a free name does not write back"
     );
     let new = vec![7u8; 100_000];
     fs::write(m.path("a.tmp"), &new).unwrap();
     fs::rename(m.path("a.tmp"), m.path("a")).unwrap();
-    assert_eq!(count(&m), 1, "the replacing file is written back");
+    assert_eq!(
+        replace_writebacks(&m),
+        1,
+        "the replacing file is written back"
+    );
     assert_eq!(fs::read(m.path("a")).unwrap(), new);
     m.unmount();
 }
@@ -424,11 +430,6 @@ fn a_file_written_and_renamed_over_another_is_written_back_first() {
 #[test]
 fn a_file_rewritten_in_place_is_written_back_at_its_close() {
     let mut m = Mount::new();
-    let count = |m: &Mount| {
-        daemon_stats(m)["replace_writebacks"]
-            .as_u64()
-            .expect("replace_writebacks")
-    };
     fs::write(m.path("a"), b"old content").unwrap();
     fs::write(m.path("b"), b"appended").unwrap();
     OpenOptions::new()
@@ -437,14 +438,16 @@ fn a_file_rewritten_in_place_is_written_back_at_its_close() {
         .unwrap()
         .write_all(b" more")
         .unwrap();
-    assert_eq!(count(&m), 0, "an append is left to writeback");
+    assert_eq!(replace_writebacks(&m), 0, "an append is left to writeback");
     let new = vec![9u8; 100_000];
     fs::write(m.path("a"), &new).unwrap();
     // The kernel sends RELEASE after close() has returned.
     assert!(
-        wait_until(std::time::Duration::from_secs(10), || count(&m) == 1),
+        wait_until(std::time::Duration::from_secs(10), || replace_writebacks(
+            &m
+        ) == 1),
         "the rewritten file is written back at its release: {}",
-        count(&m)
+        replace_writebacks(&m)
     );
     assert_eq!(fs::read(m.path("a")).unwrap(), new);
     m.unmount();

@@ -696,6 +696,16 @@ fn fsync_goes_to_the_log_and_counts_seed_one_cases() {
     assert_eq!(fs.read(a.ino, 0, 10).unwrap(), b"onetwo");
 }
 
+/// Creates and fsyncs a new file "z" in the root, then mounts the image as a power
+/// cut right after that fsync would leave it.
+fn crash_after_another_fsync(dev: &MemDev, fs: Fs) -> Fs {
+    let z = fs.mknod(ROOT_INO, b"z", 0o644, 0, cr()).unwrap();
+    fs.fsync(z.ino, false).unwrap();
+    let crashed = Arc::new(MemDev::from_image(dev.image()));
+    drop(fs); // its final commit goes to `dev`, not to the crashed copy
+    Fs::open(crashed, Options::default()).unwrap()
+}
+
 #[test]
 fn a_file_renamed_over_another_is_written_back_first() {
     let (dev, fs) = mk(64 * MB);
@@ -716,11 +726,7 @@ fn a_file_renamed_over_another_is_written_back_first() {
     assert!(!fs.cache.has_dirty(new.ino), "written back");
     assert_eq!(fs.stats().replace_writebacks, 1);
     // Another file's fsync makes the rename durable, and the data with it.
-    let z = fs.mknod(ROOT_INO, b"z", 0o644, 0, cr()).unwrap();
-    fs.fsync(z.ino, false).unwrap();
-    let crashed = Arc::new(MemDev::from_image(dev.image()));
-    drop(fs);
-    let fs = Fs::open(crashed, Options::default()).unwrap();
+    let fs = crash_after_another_fsync(&dev, fs);
     let a = fs.lookup(ROOT_INO, b"a").unwrap();
     assert_eq!(a.ino, new.ino);
     assert_eq!(read_all(&fs, a.ino), data);
@@ -758,11 +764,7 @@ fn a_file_truncated_to_zero_while_open_is_written_back_at_its_release() {
     assert!(!fs.cache.has_dirty(f.ino), "written back at the release");
     assert_eq!(fs.stats().replace_writebacks, 1);
     // Another file's fsync makes the truncate durable, and the new data with it.
-    let z = fs.mknod(ROOT_INO, b"z", 0o644, 0, cr()).unwrap();
-    fs.fsync(z.ino, false).unwrap();
-    let crashed = Arc::new(MemDev::from_image(dev.image()));
-    drop(fs);
-    let fs = Fs::open(crashed, Options::default()).unwrap();
+    let fs = crash_after_another_fsync(&dev, fs);
     let a = fs.lookup(ROOT_INO, b"f").unwrap();
     assert_eq!(read_all(&fs, a.ino), data);
 }
