@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use birchfs::dev::{CrashDev, CrashOp, MemDev};
 use birchfs::{
-    Creds, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr, ROOT_INO,
+    Attr, Creds, FallocMode, FileKind, Fs, MkfsOptions, Options, RenameFlags, SetAttr, ROOT_INO,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -411,12 +411,8 @@ fn exec(fs: &Fs, op: &Op) {
         Op::Rewrite(p, len, b) => {
             let f = ino(p);
             fs.open_ino(f).unwrap();
-            let empty = SetAttr {
-                size: Some(0),
-                ..Default::default()
-            };
-            fs.setattr(f, &empty).unwrap();
-            fs.write(f, 0, &vec![*b; *len]).unwrap();
+            exec(fs, &Op::Truncate(p.clone(), 0));
+            exec(fs, &Op::Write(p.clone(), 0, *len, *b));
             fs.release(f).unwrap();
         }
         Op::Punch(p, off, len) => {
@@ -710,6 +706,17 @@ fn verify(image: Vec<u8>, runs: &[Run], flushed_upto: usize, what: &str) {
     }
 }
 
+/// Whether file `a` holds the data of some version of model node `id` in `later`,
+/// and how many bytes it holds.
+fn holds_a_version(fs: &Fs, a: &Attr, later: &[Model], id: u64) -> (bool, usize) {
+    let d = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
+    let ok = later
+        .iter()
+        .filter_map(|m| m.nodes.get(&id))
+        .any(|v| v.data == d);
+    (ok, d.len())
+}
+
 /// Every promise of `run` made by write `flushed_upto` is kept in the mounted `fs`.
 fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
     for (ret, i, pr) in &run.promises {
@@ -750,11 +757,10 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                             run.ops
                         );
                     };
-                    let d = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
+                    let (ok, len) = holds_a_version(fs, &a, later, *id);
                     assert!(
-                        later.iter().filter_map(|m| m.nodes.get(id)).any(|v| v.data == d),
-                        "{what}: {path} (fsynced at op {i}), found elsewhere, has {} bytes: no version since the fsync matches\nops: {:?}",
-                        d.len(),
+                        ok,
+                        "{what}: {path} (fsynced at op {i}), found elsewhere, has {len} bytes: no version since the fsync matches\nops: {:?}",
                         run.ops
                     );
                     continue;
@@ -808,11 +814,10 @@ fn keeps_promises(fs: &Fs, run: &Run, flushed_upto: usize, what: &str) {
                 if a.ino != *ino {
                     continue;
                 }
-                let d = fs.read(a.ino, 0, (a.size as u32).max(1)).unwrap();
+                let (ok, len) = holds_a_version(fs, &a, later, *id);
                 assert!(
-                    later.iter().filter_map(|m| m.nodes.get(id)).any(|v| v.data == d),
-                    "{what}: {path}, renamed over another file at op {i}, has {} bytes: no version since the rename matches\nops: {:?}",
-                    d.len(),
+                    ok,
+                    "{what}: {path}, renamed over another file at op {i}, has {len} bytes: no version since the rename matches\nops: {:?}",
                     run.ops
                 );
             }

@@ -943,11 +943,8 @@ impl Fs {
             i.unpin(ino, 1)?;
             Ok(flush)
         })?;
-        if flush && self.cache.has_dirty(ino) {
-            Stats::add(&self.stats.replace_writebacks, 1);
-            if let Err(e) = self.writeback(ino, u64::MAX) {
-                tracing::warn!("writeback of inode {ino} at its close after a truncate: {e}");
-            }
+        if flush {
+            self.write_back_replacement(ino, "at its close after a truncate");
         }
         Ok(())
     }
@@ -1111,15 +1108,21 @@ impl Fs {
             let old = file(i.find_entry(newparent, newname)?);
             Ok(src.filter(|&s| old.is_some_and(|o| o != s)))
         });
-        let Ok(Some(ino)) = src else {
-            return;
-        };
+        if let Ok(Some(ino)) = src {
+            self.write_back_replacement(ino, "before it replaces another");
+        }
+    }
+
+    /// Writes back the cached data of `ino`, a file replacing older content (`when`
+    /// says how, for the log), and counts it; a failure is logged, not returned: the
+    /// data stays cached for a later writeback, as it would have without this.
+    fn write_back_replacement(&self, ino: u64, when: &str) {
         if !self.cache.has_dirty(ino) {
             return;
         }
         Stats::add(&self.stats.replace_writebacks, 1);
         if let Err(e) = self.writeback(ino, u64::MAX) {
-            tracing::warn!("writeback of inode {ino} before it replaces another: {e}");
+            tracing::warn!("writeback of inode {ino} {when}: {e}");
         }
     }
 
