@@ -1119,3 +1119,85 @@ fn too_tight_an_address_space_limit_refuses_the_mount() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("too little memory to mount"), "{err}");
 }
+
+/// A loop device over a sparse file on a tmpfs too small for it: writes the loop
+/// device takes into its page cache fail later, when written back (a lost write, as a
+/// failing disk or a full thin pool gives). Detached and unmounted on drop.
+struct LosingDevice {
+    dir: tempfile::TempDir,
+    dev: std::path::PathBuf,
+}
+
+impl LosingDevice {
+    fn new() -> LosingDevice {
+        let dir = tempfile::Builder::new()
+            .prefix("birchfs-lost-")
+            .tempdir()
+            .unwrap();
+        let out = run(
+            Command::new("mount")
+                .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+                .arg(dir.path()),
+            Duration::from_secs(30),
+        );
+        assert!(out.status.success(), "mount tmpfs:\n{}", describe(&out));
+        let backing = dir.path().join("backing");
+        File::create(&backing).unwrap().set_len(64 << 20).unwrap();
+        let out = run(
+            Command::new("losetup").args(["-f", "--show"]).arg(&backing),
+            Duration::from_secs(30),
+        );
+        let dev = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let d = LosingDevice { dir, dev };
+        assert!(
+            out.status.success(),
+            "losetup (the test needs root and loop devices):\n{}",
+            describe(&out)
+        );
+        d
+    }
+}
+
+impl Drop for LosingDevice {
+    fn drop(&mut self) {
+        if !self.dev.as_os_str().is_empty() {
+            let _ = try_run(
+                Command::new("losetup").arg("-d").arg(&self.dev),
+                Duration::from_secs(30),
+            );
+        }
+        let _ = try_run(
+            Command::new("umount").arg(self.dir.path()),
+            Duration::from_secs(30),
+        );
+    }
+}
+
+/// Linux reports a write lost in writeback to the next fdatasync of each open file
+/// once, then marks the pages clean: a second fdatasync returns 0. The device keeps
+/// the failure (every later flush fails), and two flushes under way at once both
+/// fail, though the host tells each open file only once.
+#[test]
+fn a_write_lost_in_writeback_fails_every_flush_from_then_on() {
+    use birchfs::dev::{BlockDev, FileDev};
+    let lost = LosingDevice::new();
+    let dev = Arc::new(FileDev::open(&lost.dev, true).unwrap());
+    // 1 MiB of small (buffered) writes, four times what the tmpfs holds.
+    let block = vec![0x5au8; 4096];
+    for i in 0..256u64 {
+        dev.write_at(&block, i * 8192).unwrap();
+    }
+    let flushes: Vec<_> = (0..2)
+        .map(|_| {
+            let dev = dev.clone();
+            std::thread::spawn(move || dev.flush())
+        })
+        .collect();
+    for (i, f) in flushes.into_iter().enumerate() {
+        assert!(f.join().unwrap().is_err(), "flush {i} under way returned 0");
+    }
+    assert!(dev.flush().is_err(), "a later flush returned 0");
+    // A write after the failure that the device could store changes nothing.
+    dev.write_at(&block, 0).unwrap();
+    assert!(dev.flush().is_err(), "a flush after a new write returned 0");
+}

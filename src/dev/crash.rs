@@ -36,6 +36,8 @@ struct Inner {
     /// For each flush, in the order of `ops`: how many ops came before it began.
     covers: Vec<usize>,
     fail_after: Option<usize>,
+    /// How many of the next flushes fail, once each (see [`CrashDev::fail_flushes`]).
+    failing_flushes: usize,
     /// Writes reaching bytes from here on fail with ENOSPC (see
     /// [`CrashDev::refuse_writes_from`]).
     no_room_from: Option<u64>,
@@ -60,6 +62,7 @@ impl CrashDev {
                 ops: Vec::new(),
                 covers: Vec::new(),
                 fail_after: None,
+                failing_flushes: 0,
                 no_room_from: None,
             }),
             flush_delay_us: std::sync::atomic::AtomicU64::new(0),
@@ -89,6 +92,13 @@ impl CrashDev {
     pub fn fail_after(&self, n: usize) {
         let mut g = self.inner.lock();
         g.fail_after = Some(g.ops.len() + n);
+    }
+
+    /// Makes the next `n` flushes fail with EIO, and the device work again after
+    /// them: a write lost in the host's cache, which Linux's fdatasync reports to one
+    /// caller (per open file) and then forgets.
+    pub fn fail_flushes(&self, n: usize) {
+        self.inner.lock().failing_flushes = n;
     }
 
     /// Makes writes that reach bytes at `off` or past it fail with ENOSPC, unrecorded,
@@ -191,6 +201,10 @@ impl BlockDev for CrashDev {
         };
         let mut g = self.inner.lock();
         Self::check_fail(&g)?;
+        if g.failing_flushes > 0 {
+            g.failing_flushes -= 1;
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
         let covers = began.unwrap_or(g.ops.len());
         g.ops.push(CrashOp::Flush);
         g.covers.push(covers);

@@ -35,7 +35,9 @@ use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::{Condvar, Mutex};
 
 use super::BlockDev;
 
@@ -57,6 +59,69 @@ pub struct FileDev {
     /// For a loop device, its backing file, locked as the image itself is: a mount
     /// of the file and one of the loop device over it would write the same blocks.
     _backing: Option<File>,
+    /// Opens of the device that flushes take turns with (see [`Flushers`]).
+    flushers: Flushers,
+    /// Set once a flush failed: every later flush fails too.
+    flush_failed: AtomicBool,
+}
+
+/// Separate opens of the device, one per flush under way.
+///
+/// The host reports a failed writeback (a buffered write it could not store) to the
+/// next fdatasync of each open file once, then forgets it for that file, and marks
+/// the pages clean: a second fdatasync through the same open returns 0 with the
+/// write lost. Two flushes at once through one open would let one of them return 0
+/// while the other took the error. Each open made before any write sees every error,
+/// so each flush under way gets its own, and the error stays with the device
+/// ([`FileDev::flush`]): a flush that takes an open after a failure finds it noted.
+#[derive(Debug)]
+struct Flushers {
+    free: Mutex<Vec<File>>,
+    returned: Condvar,
+}
+
+/// How many flushes may be under way at once ([`Flushers`]); more wait their turn.
+const FLUSHERS: usize = 8;
+
+impl Flushers {
+    /// Opens `path` (the device `file` is open on) `n` times.
+    fn open(path: &Path, file: &File, writable: bool, n: usize) -> io::Result<Flushers> {
+        use std::os::unix::fs::MetadataExt;
+        let want = file.metadata()?;
+        let mut free = Vec::with_capacity(n);
+        for _ in 0..n {
+            let f = OpenOptions::new().read(true).write(writable).open(path)?;
+            let m = f.metadata()?;
+            if (m.dev(), m.ino()) != (want.dev(), want.ino()) {
+                return Err(io::Error::other(format!(
+                    "{} was replaced while it was opened",
+                    path.display()
+                )));
+            }
+            free.push(f);
+        }
+        Ok(Flushers {
+            free: Mutex::new(free),
+            returned: Condvar::new(),
+        })
+    }
+
+    /// Runs `f` on an open no other flush is using.
+    fn with<T>(&self, f: impl FnOnce(&File) -> T) -> T {
+        let file = {
+            let mut g = self.free.lock();
+            loop {
+                if let Some(file) = g.pop() {
+                    break file;
+                }
+                self.returned.wait(&mut g);
+            }
+        };
+        let r = f(&file);
+        self.free.lock().push(file);
+        self.returned.notify_one();
+        r
+    }
 }
 
 /// Writes to an image file at least this large (and aligned) bypass the host page cache.
@@ -119,6 +184,12 @@ fn too_large(path: &Path, size: u64, limit: u64) -> io::Error {
             path.display()
         ),
     )
+}
+
+/// What a flush returns once an earlier one failed ([`FileDev::flush`]).
+/// The error is EIO, as the failed flush's: the log says when it failed.
+fn flush_failed() -> io::Error {
+    io::Error::from_raw_os_error(libc::EIO)
 }
 
 thread_local! {
@@ -190,6 +261,7 @@ impl FileDev {
         } else {
             None
         };
+        let flushers = Flushers::open(path, &file, writable, if writable { FLUSHERS } else { 1 })?;
         Ok(FileDev {
             file,
             direct,
@@ -203,6 +275,8 @@ impl FileDev {
             reads_direct: bdev,
             bdev,
             _backing: backing,
+            flushers,
+            flush_failed: AtomicBool::new(false),
         })
     }
 
@@ -584,8 +658,25 @@ impl BlockDev for FileDev {
         }
         Ok(())
     }
+    /// fdatasync through an open of its own ([`Flushers`]). A failure is noted
+    /// before the open is given back, so it fails this flush, every flush under way
+    /// with it and every later one: what the host lost cannot be made durable again.
     fn flush(&self) -> io::Result<()> {
-        self.file.sync_data()
+        if self.flush_failed.load(Ordering::Acquire) {
+            return Err(flush_failed());
+        }
+        let r = self.flushers.with(|f| {
+            let r = f.sync_data();
+            if let Err(e) = &r {
+                tracing::error!("flush of the device failed, as will every later one: {e}");
+                self.flush_failed.store(true, Ordering::Release);
+            }
+            r
+        });
+        match r {
+            Ok(()) if self.flush_failed.load(Ordering::Acquire) => Err(flush_failed()),
+            r => r,
+        }
     }
     fn discard(&self, off: u64, len: u64) -> io::Result<bool> {
         if len == 0 || off.checked_add(len).is_none_or(|end| end > self.size()) {

@@ -842,6 +842,11 @@ impl Fs {
                 Stats::add(&self.stats.log_flushes_shared, 1);
                 return Ok(());
             }
+            if g.store.failed {
+                // The flush waited for failed: flushing again could return 0 with
+                // its batch lost (see below).
+                return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EIO)));
+            }
             g.store.log.flush_started = g.store.log.flush_started.max(written);
         }
         let t0 = std::time::Instant::now();
@@ -851,10 +856,13 @@ impl Fs {
             let mut g = self.inner.lock();
             match flushed {
                 Err(e) => {
-                    tracing::error!("log flush failed: {e}");
+                    // A device may report a lost write to one flush only (Linux's
+                    // fdatasync does, per open file), so a flush after this one could
+                    // return 0 with this batch, or data it names, lost; and a commit
+                    // does not write data again. Nothing more may count as durable.
+                    tracing::error!("log flush failed, refusing further changes: {e}");
+                    g.store.failed = true;
                     g.store.log.overflow = true;
-                    // What it would have covered is not durable: who waits for it and
-                    // the next fsync flush for themselves.
                     g.store.log.flush_started = g.store.log.durable_lsn;
                     Err(e.into())
                 }
