@@ -1141,19 +1141,22 @@ impl LosingDevice {
             Duration::from_secs(30),
         );
         assert!(out.status.success(), "mount tmpfs:\n{}", describe(&out));
-        let backing = dir.path().join("backing");
+        let mut d = LosingDevice {
+            dir,
+            dev: std::path::PathBuf::new(),
+        };
+        let backing = d.dir.path().join("backing");
         File::create(&backing).unwrap().set_len(64 << 20).unwrap();
         let out = run(
             Command::new("losetup").args(["-f", "--show"]).arg(&backing),
             Duration::from_secs(30),
         );
-        let dev = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        let d = LosingDevice { dir, dev };
         assert!(
             out.status.success(),
             "losetup (the test needs root and loop devices):\n{}",
             describe(&out)
         );
+        d.dev = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
         d
     }
 }
@@ -1166,8 +1169,10 @@ impl Drop for LosingDevice {
                 Duration::from_secs(30),
             );
         }
+        // Lazily: udev may still hold the loop device open, and the loop device its
+        // backing file, for a moment after the detach.
         let _ = try_run(
-            Command::new("umount").arg(self.dir.path()),
+            Command::new("umount").arg("-l").arg(self.dir.path()),
             Duration::from_secs(30),
         );
     }

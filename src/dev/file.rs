@@ -59,68 +59,71 @@ pub struct FileDev {
     /// For a loop device, its backing file, locked as the image itself is: a mount
     /// of the file and one of the loop device over it would write the same blocks.
     _backing: Option<File>,
-    /// Opens of the device that flushes take turns with (see [`Flushers`]).
-    flushers: Flushers,
-    /// Set once a flush failed: every later flush fails too.
-    flush_failed: AtomicBool,
+    /// Keeps a failed flush failing ([`FlushGate`]).
+    flushes: FlushGate,
 }
 
-/// Separate opens of the device, one per flush under way.
+/// Keeps a failed flush failing: it fails every later flush, and every flush under
+/// way with it that returns after it.
 ///
-/// The host reports a failed writeback (a buffered write it could not store) to the
-/// next fdatasync of each open file once, then forgets it for that file, and marks
-/// the pages clean: a second fdatasync through the same open returns 0 with the
-/// write lost. Two flushes at once through one open would let one of them return 0
-/// while the other took the error. Each open made before any write sees every error,
-/// so each flush under way gets its own, and the error stays with the device
-/// ([`FileDev::flush`]): a flush that takes an open after a failure finds it noted.
-#[derive(Debug)]
-struct Flushers {
-    free: Mutex<Vec<File>>,
-    returned: Condvar,
+/// The host reports a write it lost in writeback (a bad sector, a thin pool or an NFS
+/// server out of space) to the next fdatasync of the open file once, then forgets it
+/// and marks the pages clean, so a second fdatasync returns 0 with the write lost (a
+/// loop device in buffered mode does the same with its backing file's). Of two
+/// flushes under way at once, one may take the error and the other return 0 first.
+/// So a flush that succeeds waits for every flush that began before it returned, then
+/// looks for a failure among them.
+#[derive(Debug, Default)]
+struct FlushGate {
+    /// Flushes under way.
+    tickets: Mutex<FlushTickets>,
+    /// Signalled when a flush ends.
+    ended: Condvar,
+    /// Set once a flush failed.
+    failed: AtomicBool,
 }
 
-/// How many flushes may be under way at once ([`Flushers`]); more wait their turn.
-const FLUSHERS: usize = 8;
+/// Flushes under way, numbered in the order they began.
+#[derive(Debug, Default)]
+struct FlushTickets {
+    /// The number the next flush gets.
+    next: u64,
+    /// The flushes that have not ended.
+    under_way: std::collections::BTreeSet<u64>,
+}
 
-impl Flushers {
-    /// Opens `path` (the device `file` is open on) `n` times.
-    fn open(path: &Path, file: &File, writable: bool, n: usize) -> io::Result<Flushers> {
-        use std::os::unix::fs::MetadataExt;
-        let want = file.metadata()?;
-        let mut free = Vec::with_capacity(n);
-        for _ in 0..n {
-            let f = OpenOptions::new().read(true).write(writable).open(path)?;
-            let m = f.metadata()?;
-            if (m.dev(), m.ino()) != (want.dev(), want.ino()) {
-                return Err(io::Error::other(format!(
-                    "{} was replaced while it was opened",
-                    path.display()
-                )));
-            }
-            free.push(f);
+impl FlushGate {
+    /// Runs the flush `f` (fdatasync) and keeps its failure (see [`FlushGate`]).
+    fn flush(&self, f: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(flush_failed());
         }
-        Ok(Flushers {
-            free: Mutex::new(free),
-            returned: Condvar::new(),
-        })
-    }
-
-    /// Runs `f` on an open no other flush is using.
-    fn with<T>(&self, f: impl FnOnce(&File) -> T) -> T {
-        let file = {
-            let mut g = self.free.lock();
-            loop {
-                if let Some(file) = g.pop() {
-                    break file;
-                }
-                self.returned.wait(&mut g);
-            }
+        let ticket = {
+            let mut g = self.tickets.lock();
+            let t = g.next;
+            g.next += 1;
+            g.under_way.insert(t);
+            t
         };
-        let r = f(&file);
-        self.free.lock().push(file);
-        self.returned.notify_one();
-        r
+        let r = f();
+        if let Err(e) = &r {
+            tracing::error!("flush of the device failed, as will every later one: {e}");
+            self.failed.store(true, Ordering::Release);
+        }
+        let mut g = self.tickets.lock();
+        g.under_way.remove(&ticket);
+        self.ended.notify_all();
+        if r.is_ok() {
+            let began_before = g.next;
+            while g.under_way.first().is_some_and(|&t| t < began_before) {
+                self.ended.wait(&mut g);
+            }
+        }
+        drop(g);
+        if r.is_err() || self.failed.load(Ordering::Acquire) {
+            return Err(flush_failed());
+        }
+        Ok(())
     }
 }
 
@@ -187,7 +190,8 @@ fn too_large(path: &Path, size: u64, limit: u64) -> io::Error {
 }
 
 /// What a flush returns once an earlier one failed ([`FileDev::flush`]).
-/// The error is EIO, as the failed flush's: the log says when it failed.
+/// What a flush returns once one failed: EIO, whatever the host said (the log has it),
+/// so that it never reads as a want of space that freeing some would cure.
 fn flush_failed() -> io::Error {
     io::Error::from_raw_os_error(libc::EIO)
 }
@@ -261,7 +265,6 @@ impl FileDev {
         } else {
             None
         };
-        let flushers = Flushers::open(path, &file, writable, if writable { FLUSHERS } else { 1 })?;
         Ok(FileDev {
             file,
             direct,
@@ -275,8 +278,7 @@ impl FileDev {
             reads_direct: bdev,
             bdev,
             _backing: backing,
-            flushers,
-            flush_failed: AtomicBool::new(false),
+            flushes: FlushGate::default(),
         })
     }
 
@@ -658,25 +660,9 @@ impl BlockDev for FileDev {
         }
         Ok(())
     }
-    /// fdatasync through an open of its own ([`Flushers`]). A failure is noted
-    /// before the open is given back, so it fails this flush, every flush under way
-    /// with it and every later one: what the host lost cannot be made durable again.
+    /// fdatasync, with a failure kept ([`FlushGate`]).
     fn flush(&self) -> io::Result<()> {
-        if self.flush_failed.load(Ordering::Acquire) {
-            return Err(flush_failed());
-        }
-        let r = self.flushers.with(|f| {
-            let r = f.sync_data();
-            if let Err(e) = &r {
-                tracing::error!("flush of the device failed, as will every later one: {e}");
-                self.flush_failed.store(true, Ordering::Release);
-            }
-            r
-        });
-        match r {
-            Ok(()) if self.flush_failed.load(Ordering::Acquire) => Err(flush_failed()),
-            r => r,
-        }
+        self.flushes.flush(|| self.file.sync_data())
     }
     fn discard(&self, off: u64, len: u64) -> io::Result<bool> {
         if len == 0 || off.checked_add(len).is_none_or(|end| end > self.size()) {
@@ -733,6 +719,40 @@ impl BlockDev for FileDev {
 mod tests {
     use super::*;
     use crate::dev::AlignedBuf;
+
+    /// A flush that returns 0 while one begun before it is still under way and then
+    /// fails (the one the host told) fails too; so does every flush after, without
+    /// reaching the device.
+    #[test]
+    fn a_flush_beside_a_failing_one_fails_too() {
+        let gate = std::sync::Arc::new(FlushGate::default());
+        let failing = {
+            let gate = gate.clone();
+            std::thread::spawn(move || {
+                gate.flush(|| {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    Err(io::Error::from_raw_os_error(libc::ENOSPC))
+                })
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let r = gate.flush(|| Ok(()));
+        assert!(r.is_err(), "returned 0 beside a failing flush");
+        let e = failing.join().unwrap().unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+        let mut reached = false;
+        assert!(gate
+            .flush(|| {
+                reached = true;
+                Ok(())
+            })
+            .is_err());
+        assert!(!reached, "flushed the device after a failure");
+        // One begun after a successful one does not wait for it.
+        let ok = FlushGate::default();
+        assert!(ok.flush(|| Ok(())).is_ok());
+        assert!(ok.flush(|| Ok(())).is_ok());
+    }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)

@@ -86,9 +86,9 @@ pub trait BlockDev: Send + Sync {
         }
         Ok(())
     }
-    /// Makes every completed write durable. A write the device lost must fail every
-    /// flush under way or begun since, not only one: the filesystem answers fsyncs
-    /// from whichever flush returns.
+    /// Makes every write completed before it began durable, or fails: it never
+    /// returns Ok with such a write lost (a device that reports a lost write to one
+    /// caller only must keep failing after it).
     fn flush(&self) -> io::Result<()>;
     /// Tells the device that `len` bytes at `off` hold nothing (an image file gives
     /// them back to the host as a hole); later reads there may return anything.
