@@ -230,6 +230,26 @@ impl Rings {
     }
 }
 
+/// How a serving thread waits after `io_uring_enter` fails: 10 ms, doubling to a
+/// second, with every failure logged until the pause reaches a second and then one
+/// in 60.
+#[derive(Debug, Default)]
+struct WaitBackoff {
+    /// Failures in a row.
+    failures: u32,
+}
+
+impl WaitBackoff {
+    /// Notes a failure; returns how long to pause and whether to log it.
+    fn failed(&mut self) -> (Duration, bool) {
+        self.failures = self.failures.saturating_add(1);
+        let pause =
+            Duration::from_millis(10 << (self.failures - 1).min(7)).min(Duration::from_secs(1));
+        let log = self.failures <= 8 || self.failures % 60 == 0;
+        (pause, log)
+    }
+}
+
 /// Makes the kernel stop waiting for queues that will not all be registered: a
 /// registration it must refuse (a queue number past any CPU) turns io_uring off for
 /// the connection, and requests go through `/dev/fuse` again. (Once every queue has
@@ -452,22 +472,26 @@ fn serve(
     // Refusals in a row per entry: a commit the kernel refuses while the connection
     // lives leaves the entry unusable, so it is registered again, a few times.
     let mut refusals = vec![0u32; depth];
-    let mut wait_errors = 0u32;
+    let mut backoff = WaitBackoff::default();
     let mut first = true;
     while live > 0 {
         if !first {
             match ring.submit_and_wait(1) {
-                Ok(_) => wait_errors = 0,
+                Ok(_) => backoff = WaitBackoff::default(),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
                 Err(e) => {
-                    wait_errors += 1;
-                    tracing::error!("FUSE io_uring queue {qid}: wait failed: {e}");
-                    if wait_errors >= 100 {
-                        tracing::error!("FUSE io_uring queue {qid}: giving up its thread");
-                        break;
+                    // The requests this thread holds have no other way back, so it
+                    // never gives up: it waits longer each time (ENOMEM under memory
+                    // pressure passes), and unmount does not wait for it.
+                    let (pause, log) = backoff.failed();
+                    if log {
+                        tracing::error!(
+                            "FUSE io_uring queue {qid}: wait failed ({e}); trying again \
+                             in {pause:?}"
+                        );
                     }
-                    std::thread::sleep(Duration::from_millis(10));
+                    std::thread::sleep(pause);
                 }
             }
             cqes.clear();
@@ -991,5 +1015,25 @@ impl AnswerDirPlus for RingReply {
     fn ok(mut self) {
         let n = self.len;
         self.finish(0, n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A serving thread never stops on failed waits: its pauses grow to a second and
+    /// stay there, and its log lines thin out.
+    #[test]
+    fn failed_waits_back_off_and_never_give_up() {
+        let mut b = WaitBackoff::default();
+        let firsts: Vec<_> = (0..8).map(|_| b.failed()).collect();
+        assert_eq!(firsts[0], (Duration::from_millis(10), true));
+        assert_eq!(firsts[1], (Duration::from_millis(20), true));
+        assert!(firsts.windows(2).all(|w| w[0].0 <= w[1].0));
+        let later: Vec<_> = (8..10_000).map(|_| b.failed()).collect();
+        assert!(later.iter().all(|&(p, _)| p == Duration::from_secs(1)));
+        let logged = later.iter().filter(|&&(_, l)| l).count();
+        assert!((160..=170).contains(&logged), "{logged} logged");
     }
 }
