@@ -112,6 +112,8 @@ pub struct Rings {
     threads: Vec<std::thread::JoinHandle<()>>,
     /// Each thread sends once on this when it ends.
     ended: std::sync::mpsc::Receiver<()>,
+    /// Set by [`Rings::join`]: a thread whose waits keep failing stops retrying.
+    stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Rings {
@@ -131,7 +133,9 @@ impl Rings {
         let mut rings = Rings {
             threads: Vec::new(),
             ended,
+            stopping: Arc::default(),
         };
+        let stopping = rings.stopping.clone();
         // `available` said the list is there; a kernel whose queues cannot be counted
         // is never offered io_uring at INIT.
         let Some(possible) = cpu_list("possible") else {
@@ -160,6 +164,7 @@ impl Rings {
             }
             let fd = dev.try_clone_to_owned().inspect_err(|_| expected -= 1)?;
             let (fs, tx, ended_tx) = (fs.clone(), tx.clone(), ended_tx.clone());
+            let stopping = stopping.clone();
             let depth = cfg.depth.clamp(1, 256);
             let pin = usable.contains(&q);
             let h = std::thread::Builder::new()
@@ -168,7 +173,7 @@ impl Rings {
                     if pin {
                         pin_to_cpu(q);
                     }
-                    serve(&fs, fd, q as u16, depth, tx);
+                    serve(&fs, fd, q as u16, depth, tx, &stopping);
                     drop(fs);
                     let _ = ended_tx.send(());
                 })
@@ -216,6 +221,8 @@ impl Rings {
     /// Waits up to `limit` for the threads, which end when the kernel tears the
     /// connection's queues down (at unmount); threads still running then are left.
     pub fn join(self, limit: Duration) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let deadline = std::time::Instant::now() + limit;
         for _ in 0..self.threads.len() {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -412,6 +419,7 @@ fn serve(
     qid: u16,
     depth: usize,
     ready: std::sync::mpsc::Sender<std::io::Result<()>>,
+    stopping: &std::sync::atomic::AtomicBool,
 ) {
     let setup = || -> std::io::Result<(IoUring<squeue::Entry128, cqueue::Entry>, Arc<Slab>)> {
         let ring = new_ring((2 * depth + 4).next_power_of_two() as u32)?;
@@ -482,8 +490,13 @@ fn serve(
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {}
                 Err(e) => {
                     // The requests this thread holds have no other way back, so it
-                    // never gives up: it waits longer each time (ENOMEM under memory
-                    // pressure passes), and unmount does not wait for it.
+                    // gives up only at unmount ([`Rings::join`]), whose completions
+                    // it cannot reap: it waits longer each time (ENOMEM under
+                    // memory pressure passes).
+                    if stopping.load(std::sync::atomic::Ordering::Relaxed) {
+                        tracing::error!("FUSE io_uring queue {qid}: wait failed ({e}) at unmount");
+                        break;
+                    }
                     let (pause, log) = backoff.failed();
                     if log {
                         tracing::error!(
