@@ -265,7 +265,6 @@ fn too_large(path: &Path, size: u64, limit: u64) -> io::Error {
     )
 }
 
-/// What a flush returns once an earlier one failed ([`FileDev::flush`]).
 /// What a flush returns once one failed: EIO, whatever the host said (the log has it),
 /// so that it never reads as a want of space that freeing some would cure.
 fn flush_failed() -> io::Error {
