@@ -1124,8 +1124,10 @@ fn too_tight_an_address_space_limit_refuses_the_mount() {
 /// device takes into its page cache fail later, when written back (a lost write, as a
 /// failing disk or a full thin pool gives). Detached and unmounted on drop.
 struct LosingDevice {
-    dir: tempfile::TempDir,
     dev: std::path::PathBuf,
+    // Dropped after the detach, in this order: the tmpfs, then its directory.
+    host: SmallHost,
+    _dir: tempfile::TempDir,
 }
 
 impl LosingDevice {
@@ -1134,22 +1136,16 @@ impl LosingDevice {
             .prefix("birchfs-lost-")
             .tempdir()
             .unwrap();
-        let out = run(
-            Command::new("mount")
-                .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
-                .arg(dir.path()),
-            Duration::from_secs(30),
-        );
-        assert!(out.status.success(), "mount tmpfs:\n{}", describe(&out));
         let mut d = LosingDevice {
-            dir,
             dev: std::path::PathBuf::new(),
+            host: SmallHost::new(dir.path().join("host"), "256k"),
+            _dir: dir,
         };
-        let backing = d.dir.path().join("backing");
+        let backing = d.host.0.join("backing");
         File::create(&backing).unwrap().set_len(64 << 20).unwrap();
         let out = run(
             Command::new("losetup").args(["-f", "--show"]).arg(&backing),
-            Duration::from_secs(30),
+            SHELL_TIMEOUT,
         );
         assert!(
             out.status.success(),
@@ -1163,18 +1159,14 @@ impl LosingDevice {
 
 impl Drop for LosingDevice {
     fn drop(&mut self) {
+        // The tmpfs goes lazily (SmallHost): udev may still hold the loop device open,
+        // and the loop device its backing file, for a moment after the detach.
         if !self.dev.as_os_str().is_empty() {
             let _ = try_run(
                 Command::new("losetup").arg("-d").arg(&self.dev),
-                Duration::from_secs(30),
+                SHELL_TIMEOUT,
             );
         }
-        // Lazily: udev may still hold the loop device open, and the loop device its
-        // backing file, for a moment after the detach.
-        let _ = try_run(
-            Command::new("umount").arg("-l").arg(self.dir.path()),
-            Duration::from_secs(30),
-        );
     }
 }
 

@@ -82,7 +82,7 @@ pub struct FileDev {
 struct FlushGate {
     /// Whether a flush that succeeded waits for those begun before it returned.
     wait_beside: bool,
-    /// Flushes under way.
+    /// Flushes under way (counted only with `wait_beside`).
     tickets: Mutex<FlushTickets>,
     /// Signalled when a flush ends.
     ended: Condvar,
@@ -146,17 +146,7 @@ impl Flushers {
 /// Whether `meta` is a loop device that does not use direct I/O on its backing file
 /// (or one that cannot be told).
 fn buffered_loop(meta: &std::fs::Metadata) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    if loop_backing_file(meta).is_none() {
-        return false;
-    }
-    let rdev = meta.rdev();
-    let sys = format!(
-        "/sys/dev/block/{}:{}/loop/dio",
-        libc::major(rdev),
-        libc::minor(rdev)
-    );
-    std::fs::read_to_string(sys).map_or(true, |v| v.trim() != "1")
+    loop_backing_file(meta).is_some() && loop_attr(meta, "dio").is_none_or(|v| v.trim() != "1")
 }
 
 /// Flushes under way, numbered in the order they began.
@@ -174,28 +164,29 @@ impl FlushGate {
         if self.failed.load(Ordering::Acquire) {
             return Err(flush_failed());
         }
-        let ticket = {
+        let ticket = self.wait_beside.then(|| {
             let mut g = self.tickets.lock();
             let t = g.next;
             g.next += 1;
             g.under_way.insert(t);
             t
-        };
+        });
         let r = f();
         if let Err(e) = &r {
             tracing::error!("flush of the device failed, as will every later one: {e}");
             self.failed.store(true, Ordering::Release);
         }
-        let mut g = self.tickets.lock();
-        g.under_way.remove(&ticket);
-        self.ended.notify_all();
-        if r.is_ok() && self.wait_beside {
-            let began_before = g.next;
-            while g.under_way.first().is_some_and(|&t| t < began_before) {
-                self.ended.wait(&mut g);
+        if let Some(ticket) = ticket {
+            let mut g = self.tickets.lock();
+            g.under_way.remove(&ticket);
+            self.ended.notify_all();
+            if r.is_ok() {
+                let began_before = g.next;
+                while g.under_way.first().is_some_and(|&t| t < began_before) {
+                    self.ended.wait(&mut g);
+                }
             }
         }
-        drop(g);
         if r.is_err() || self.failed.load(Ordering::Acquire) {
             return Err(flush_failed());
         }
@@ -489,15 +480,20 @@ impl FileDev {
 /// The file under the loop device whose metadata is `meta`, as the kernel names it;
 /// `None` for any other device or file.
 pub fn loop_backing_file(meta: &std::fs::Metadata) -> Option<std::path::PathBuf> {
+    let name = loop_attr(meta, "backing_file")?;
+    Some(name.trim_end_matches('\n').into())
+}
+
+/// Attribute `name` of the loop device `meta` describes, from sysfs (`None` for
+/// other files and devices, or an attribute this kernel lacks).
+fn loop_attr(meta: &std::fs::Metadata, name: &str) -> Option<String> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
     if !meta.file_type().is_block_device() {
         return None;
     }
     let rdev = meta.rdev();
     let (major, minor) = (libc::major(rdev), libc::minor(rdev));
-    let sys = format!("/sys/dev/block/{major}:{minor}/loop/backing_file");
-    let name = std::fs::read_to_string(sys).ok()?;
-    Some(name.trim_end_matches('\n').into())
+    std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/loop/{name}")).ok()
 }
 
 /// For a loop device, opens and locks its backing file (named in sysfs) as
