@@ -36,6 +36,10 @@ pub enum Error {
     /// A file has as many links as it can hold (in all, or in one directory).
     #[error("too many links")]
     TooManyLinks,
+    /// The names in a directory that share one hash fill their item (btrfs answers
+    /// the same).
+    #[error("directory entries sharing a name hash fill their item")]
+    Overflow,
     /// Access denied by permission bits.
     #[error("permission denied")]
     Access,
@@ -82,6 +86,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error of a filesystem that stopped changes after a failed write or flush.
+    pub(crate) fn stopped() -> Error {
+        Error::Io(std::io::Error::from_raw_os_error(libc::EIO))
+    }
+
     /// The errno a system call reports for this error.
     pub fn errno(&self) -> i32 {
         match self {
@@ -95,6 +104,7 @@ impl Error {
             Error::Invalid(_) | Error::BadOption(_) => libc::EINVAL,
             Error::Perm => libc::EPERM,
             Error::TooManyLinks => libc::EMLINK,
+            Error::Overflow => libc::EOVERFLOW,
             Error::Access => libc::EACCES,
             Error::NoData => libc::ENODATA,
             Error::Range => libc::ERANGE,

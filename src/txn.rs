@@ -573,31 +573,49 @@ impl Store {
         if val.len() > self.max_item_size() {
             return Err(Error::Invalid("item larger than a tree node holds"));
         }
-        if id == tree::FS || id == tree::CSUM {
-            self.log.record(LogOp::Insert {
-                tree: id,
-                key,
-                val: val.clone(),
-            });
-        }
+        let logged = (id == tree::FS || id == tree::CSUM).then(|| LogOp::Insert {
+            tree: id,
+            key,
+            val: val.clone(),
+        });
         let mut r = self.root(id);
         let res = btree::insert(self, &mut r, key, val);
         self.roots.insert(id, r);
-        res
+        self.tree_changed(res, logged)
     }
 
     pub(crate) fn delete(&mut self, id: u64, key: &Key) -> Result<bool> {
         self.writable()?;
-        if id == tree::FS || id == tree::CSUM {
-            self.log.record(LogOp::Delete {
-                tree: id,
-                key: *key,
-            });
-        }
+        let logged = (id == tree::FS || id == tree::CSUM).then_some(LogOp::Delete {
+            tree: id,
+            key: *key,
+        });
         let mut r = self.root(id);
         let res = btree::delete(self, &mut r, key);
         self.roots.insert(id, r);
-        res
+        self.tree_changed(res, logged)
+    }
+
+    /// Logs `op` after its tree change succeeded. A change that failed (a node that
+    /// would not read, no room for a copy) may have stopped halfway, with copies
+    /// queued that its tree does not point at and the operation it was part of half
+    /// done, so changes stop until the next mount, as after a failed commit: a commit
+    /// would free nodes the tree still names.
+    fn tree_changed<T>(&mut self, res: Result<T>, op: Option<LogOp>) -> Result<T> {
+        match res {
+            Ok(v) => {
+                if let Some(op) = op {
+                    self.log.record(op);
+                }
+                Ok(v)
+            }
+            Err(e) => {
+                tracing::error!("a tree change failed ({e}): changes stop until the next mount");
+                self.failed = true;
+                self.log.overflow = true;
+                Err(e)
+            }
+        }
     }
 
     /// Marks the image as using incompatible feature `flag`. The first time, the next
@@ -616,7 +634,7 @@ impl Store {
             return Err(Error::ReadOnly);
         }
         if self.failed {
-            return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EIO)));
+            return Err(Error::stopped());
         }
         Ok(())
     }

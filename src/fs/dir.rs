@@ -189,28 +189,11 @@ impl Inner {
         list.push(entry.clone());
         let enc = encode_dir_entries(&list);
         if enc.len() > self.store.max_item_size() {
-            return Err(Error::NoSpace);
+            return Err(Error::Overflow);
         }
-        let rk = inode_ref_key(ino, dir);
-        let found = if fresh {
-            None
-        } else {
-            self.store.search(tree::FS, &rk)?
-        };
-        let mut refs = match found {
-            Some(v) => decode_inode_refs(&v)
-                .ok_or_else(|| Error::corrupt("inode ref", ino, "malformed"))?,
-            None => Vec::new(),
-        };
-        refs.push(InodeRef {
-            index,
-            name: name.to_vec(),
-        });
-        let mut back = (rk, encode_inode_refs(&refs));
-        if back.1.len() > self.store.max_item_size() {
-            // The file's names in this directory fill their item: this one goes to an
-            // extended ref of its own (as btrfs's INODE_EXTREF).
-            back = self.extref_with(ino, dir, index, name)?;
+        let (back, extref) = self.back_ref(ino, dir, index, name, fresh)?;
+        if extref {
+            self.store.use_feature(INCOMPAT_EXTREF);
         }
         self.store.insert(tree::FS, ik, enc)?;
         self.store.insert(
@@ -267,9 +250,72 @@ impl Inner {
         Ok(e)
     }
 
+    /// Refuses `name` in a directory whose dir item for it holds `list` when the item
+    /// has no room for one more entry once the entry named `leaving` (removed by the
+    /// same operation first) is gone: checked before anything changes, so that no
+    /// operation is left half done.
+    fn check_entry_room(
+        &self,
+        list: &[DirEntry],
+        name: &[u8],
+        leaving: Option<&[u8]>,
+    ) -> Result<()> {
+        let mut l: Vec<DirEntry> = list
+            .iter()
+            .filter(|e| Some(e.name.as_slice()) != leaving)
+            .cloned()
+            .collect();
+        l.push(DirEntry {
+            ino: 0,
+            dtype: 0,
+            index: 0,
+            name: name.to_vec(),
+        });
+        if encode_dir_entries(&l).len() > self.store.max_item_size() {
+            return Err(Error::Overflow);
+        }
+        Ok(())
+    }
+
+    /// The item that holds `name` (with `index`) as one of `ino`'s names in `dir`,
+    /// with the names it shares, as (key, value) to insert, and whether it is an
+    /// extended ref. Changes nothing, so it also checks for room before a change.
+    /// `fresh`: `ino` was just made and has no names yet.
+    fn back_ref(
+        &mut self,
+        ino: u64,
+        dir: u64,
+        index: u64,
+        name: &[u8],
+        fresh: bool,
+    ) -> Result<((Key, Vec<u8>), bool)> {
+        let rk = inode_ref_key(ino, dir);
+        let found = if fresh {
+            None
+        } else {
+            self.store.search(tree::FS, &rk)?
+        };
+        let mut refs = match found {
+            Some(v) => decode_inode_refs(&v)
+                .ok_or_else(|| Error::corrupt("inode ref", ino, "malformed"))?,
+            None => Vec::new(),
+        };
+        refs.push(InodeRef {
+            index,
+            name: name.to_vec(),
+        });
+        let enc = encode_inode_refs(&refs);
+        if enc.len() <= self.store.max_item_size() {
+            return Ok(((rk, enc), false));
+        }
+        // The file's names in this directory fill their item: this one goes to an
+        // extended ref of its own (as btrfs's INODE_EXTREF).
+        Ok((self.extref_with(ino, dir, index, name)?, true))
+    }
+
     /// The INODE_EXTREF item that holds `name` of `ino` in `dir` (with `index`), with
-    /// the names whose hashes it shares, as (key, value) to insert. The first one makes
-    /// the image's feature flag, and it reaches the disk by a commit.
+    /// the names whose hashes it shares, as (key, value) to insert. The first one to
+    /// be inserted makes the image's feature flag, which reaches the disk by a commit.
     fn extref_with(
         &mut self,
         ino: u64,
@@ -292,7 +338,6 @@ impl Inner {
         if enc.len() > self.store.max_item_size() {
             return Err(Error::TooManyLinks);
         }
-        self.store.use_feature(INCOMPAT_EXTREF);
         Ok((k, enc))
     }
 
@@ -385,6 +430,7 @@ impl Inner {
             }
         }
         self.need_room()?;
+        self.check_entry_room(&list, name, None)?;
         let mode = if mode & libc::S_IFMT == 0 {
             mode | libc::S_IFREG
         } else {
@@ -617,6 +663,10 @@ impl Inner {
         let now = Timespec::now();
         if flags.exchange {
             let d = dst.unwrap();
+            // The names stay, so their dir items keep their sizes; each inode's new
+            // name must fit among its names before anything changes.
+            self.back_ref(d.ino, p, 0, n, false)?;
+            self.back_ref(src.ino, np, 0, nn, false)?;
             self.remove_entry(p, n)?;
             self.remove_entry(np, nn)?;
             self.add_entry(p, n, d.ino, d.dtype)?;
@@ -640,6 +690,13 @@ impl Inner {
             if dst_dir && !self.dir_is_empty(d.ino)? {
                 return Err(Error::NotEmpty);
             }
+        } else {
+            // A replaced entry leaves room for its successor; a new one needs it.
+            let list = self.dir_item(np, nn)?;
+            self.check_entry_room(&list, nn, (p == np).then_some(n))?;
+        }
+        self.back_ref(src.ino, np, 0, nn, false)?;
+        if let Some(d) = &dst {
             self.remove_entry(np, nn)?;
             if dst_dir {
                 self.update_inode(np, |i| i.nlink = (i.nlink.get() - 1).into())?;
@@ -702,10 +759,10 @@ impl Inner {
             want,
         )?;
         for (k, v) in items {
-            let mut l = Some(entries(&v, ino, "dir index")?)
-                .filter(|l| l.len() == 1)
-                .ok_or_else(|| Error::corrupt("dir index", ino, "malformed"))?;
-            let e = l.pop().unwrap();
+            let mut l = entries(&v, ino, "dir index")?;
+            let (Some(e), true) = (l.pop(), l.is_empty()) else {
+                return Err(Error::corrupt("dir index", ino, "malformed"));
+            };
             let kind = FileKind::from_dtype(e.dtype)
                 .ok_or_else(|| Error::corrupt("dir index", ino, "bad type"))?;
             out.push(DirEntryOut {

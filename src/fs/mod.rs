@@ -805,6 +805,10 @@ impl Fs {
                 if g.store.log.durable_lsn >= target {
                     return Ok(());
                 }
+                if g.store.failed {
+                    // Records of an operation left half done may be pending.
+                    return Err(Error::stopped());
+                }
                 if g.store.log.written_lsn >= target {
                     (None, 0)
                 } else {
@@ -845,7 +849,7 @@ impl Fs {
             if g.store.failed {
                 // The flush waited for failed: flushing again could return 0 with
                 // its batch lost (see below).
-                return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EIO)));
+                return Err(Error::stopped());
             }
             g.store.log.flush_started = g.store.log.flush_started.max(written);
         }

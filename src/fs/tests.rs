@@ -3328,3 +3328,179 @@ fn a_dir_entry_naming_an_inode_past_the_largest_fails_with_eio() {
     assert_eq!(e.errno(), libc::EIO, "{e}");
     assert_eq!(fs.lookup(ROOT_INO, b"g").unwrap().ino, g);
 }
+
+/// `n` names of 255 bytes that share one name hash, so one dir item. Both halves of
+/// the hash are CRC32C of the name (from two seeds), affine in it: names of one
+/// length collide when their XOR is in the kernel of the CRC's linear part, found
+/// here over the bits of the first 6 bytes.
+fn colliding_names(n: usize) -> Vec<Vec<u8>> {
+    let base = vec![b'q'; 255];
+    let lin = |d: &[u8]| crc32c::crc32c_append(0, d) ^ crc32c::crc32c_append(0, &vec![0; d.len()]);
+    let mut pivots: [Option<(u32, u64)>; 32] = [None; 32];
+    let mut kernel = Vec::new();
+    for bit in 0..48u32 {
+        let mut d = vec![0u8; 255];
+        d[(bit / 8) as usize] = 1 << (bit % 8);
+        let (mut v, mut m) = (lin(&d), 1u64 << bit);
+        while v != 0 {
+            let b = 31 - v.leading_zeros() as usize;
+            match pivots[b] {
+                Some((pv, pm)) => (v, m) = (v ^ pv, m ^ pm),
+                None => {
+                    pivots[b] = Some((v, m));
+                    break;
+                }
+            }
+        }
+        if v == 0 {
+            kernel.push(m);
+        }
+    }
+    let mut names = Vec::new();
+    for pick in 0u64..1 << kernel.len() {
+        let mask = (0..kernel.len())
+            .filter(|i| pick >> i & 1 == 1)
+            .fold(0, |m, i| m ^ kernel[i]);
+        let mut name = base.clone();
+        for (i, c) in name.iter_mut().enumerate().take(6) {
+            *c ^= (mask >> (8 * i)) as u8;
+        }
+        if name.iter().all(|&c| c != 0 && c != b'/') {
+            assert_eq!(
+                crate::format::name_hash(&name),
+                crate::format::name_hash(&base)
+            );
+            names.push(name);
+        }
+        if names.len() == n {
+            break;
+        }
+    }
+    assert_eq!(names.len(), n, "too few colliding names");
+    names
+}
+
+/// A name whose dir item (the names that share its hash) is full is refused with
+/// EOVERFLOW before anything changes, by create, link and rename alike: no inode is
+/// left without a name, and a renamed file keeps its old one. A rename over one of
+/// the item's names still works (the replaced entry leaves room).
+#[test]
+fn a_name_for_a_full_dir_item_is_refused_before_anything_changes() {
+    let dev = Arc::new(MemDev::new(64 * MB));
+    let mkfs = MkfsOptions {
+        node_size: Some(4096),
+        ..Default::default()
+    };
+    Fs::mkfs(dev.clone(), &mkfs).unwrap();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let names = colliding_names(40);
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
+    let mut made = 0;
+    let err = loop {
+        match fs.mknod(d.ino, &names[made], 0o644, 0, cr()) {
+            Ok(_) => made += 1,
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, Error::Overflow), "create: {err:?}");
+    assert!((2..names.len()).contains(&made), "{made} names fit");
+    let full = &names[made];
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.write(f.ino, 0, b"kept").unwrap();
+    let nf = RenameFlags::default();
+    let err = fs.rename(ROOT_INO, b"f", d.ino, full, nf).unwrap_err();
+    assert!(matches!(err, Error::Overflow), "rename: {err:?}");
+    let err = fs.link(f.ino, d.ino, full).unwrap_err();
+    assert!(matches!(err, Error::Overflow), "link: {err:?}");
+    let err = fs.mkdir(d.ino, full, 0o755, cr()).unwrap_err();
+    assert!(matches!(err, Error::Overflow), "mkdir: {err:?}");
+    assert_eq!(fs.lookup(ROOT_INO, b"f").unwrap().ino, f.ino);
+    assert_eq!(fs.getattr(f.ino).unwrap().nlink, 1);
+    assert_eq!(fs.readdir(d.ino, 0, 1000).unwrap().len(), made + 2);
+    fs.rename(ROOT_INO, b"f", d.ino, &names[0], nf).unwrap();
+    assert_eq!(
+        read_all(&fs, fs.lookup(d.ino, &names[0]).unwrap().ino),
+        b"kept"
+    );
+    assert!(fs.lookup(ROOT_INO, b"f").is_err());
+    let problems = problems_after_unmount(&dev, fs);
+    assert!(problems.is_empty(), "{problems:?}");
+}
+
+/// A tree change that fails halfway (a leaf it needs will not read, after its path's
+/// nodes above were copied) stops changes until the next mount, as a failed commit
+/// does: the copies are not in the tree, and a commit would free nodes the tree still
+/// names. No fsync answers after it (records of the operation it was part of may be
+/// pending), and the image keeps its last commit.
+#[test]
+fn a_tree_change_failing_halfway_stops_changes_until_the_next_mount() {
+    use crate::dev::BlockDev;
+    let dev = Arc::new(MemDev::new(64 * MB));
+    let mkfs = MkfsOptions {
+        node_size: Some(4096),
+        ..Default::default()
+    };
+    Fs::mkfs(dev.clone(), &mkfs).unwrap();
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
+    for i in 0..3000 {
+        let name = format!("file-{i:05}");
+        fs.mknod(d.ino, name.as_bytes(), 0o644, 0, cr()).unwrap();
+    }
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap();
+    fs.unmount().unwrap();
+    let image = dev.image();
+    let eio = |e: Error| e.errno() == libc::EIO;
+    // First with nothing changed since the mount, so the insert copies the root;
+    // then after a change of the same operation (an item of `f`), whose record must
+    // not reach the log.
+    let marker = Key::new(f.ino, kind::XATTR_CHUNK, 999);
+    for written in [false, true] {
+        let dev = Arc::new(MemDev::from_image(image.clone()));
+        let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+        let mut g = fs.inner.lock();
+        let s = &mut g.store;
+        if written {
+            s.insert(tree::FS, marker, vec![7; 16]).unwrap();
+        }
+        // A leaf two levels below the fs tree's root.
+        let root = s.root(tree::FS);
+        assert!(root.level >= 2, "fs tree of level {}", root.level);
+        let mut n = crate::btree::load_root(s, &root).unwrap();
+        while n.hdr.level > 1 {
+            let i = n.len() / 2;
+            n = crate::btree::load_child(s, &n, i).unwrap();
+        }
+        let (key, leaf, _) = n.ptrs()[n.len() / 2];
+        let mut good = vec![0u8; 4096];
+        dev.read_at(&mut good, leaf).unwrap();
+        dev.write_at(&[0xA5; 4096], leaf).unwrap();
+        assert!(s.insert(tree::FS, key, vec![1; 16]).is_err());
+        dev.write_at(&good, leaf).unwrap();
+        drop(g);
+        if written {
+            assert!(
+                eio(fs.sync_to(u64::MAX).unwrap_err()),
+                "a log sync after it"
+            );
+        }
+        let made = fs.mknod(ROOT_INO, b"new", 0o644, 0, cr());
+        assert!(eio(made.unwrap_err()), "a change after it");
+        assert!(
+            eio(fs.write(f.ino, 0, b"x").unwrap_err()),
+            "a write after it"
+        );
+        assert!(fs.unmount().is_err(), "the unmount's commit was refused");
+        let problems = check_image(&dev);
+        assert!(problems.is_empty(), "{problems:?}");
+        let dev = Arc::new(MemDev::from_image(dev.image()));
+        let fs = Fs::open(dev, Options::default()).unwrap();
+        assert_eq!(fs.readdir(d.ino, 0, 5000).unwrap().len(), 3002);
+        assert_eq!(fs.getattr(f.ino).unwrap().size, 0);
+        let found = fs.inner.lock().store.search(tree::FS, &marker).unwrap();
+        assert!(
+            found.is_none(),
+            "a record of the failed operation was replayed"
+        );
+    }
+}
