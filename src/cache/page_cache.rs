@@ -447,9 +447,14 @@ impl PageCache {
         }
     }
 
-    /// Takes up to `max` folios of `ino` that may be dirty, in file order, for
-    /// writeback (which then counts what it copies with `sub_dirty`).
-    pub(crate) fn take_dirty(&self, ino: u64, max: usize) -> Vec<(u64, Arc<CachedFolio>)> {
+    /// Takes up to `max` folios of `ino` below index `below` that may be dirty, in
+    /// file order, for writeback (which then counts what it copies with `sub_dirty`).
+    pub(crate) fn take_dirty(
+        &self,
+        ino: u64,
+        max: usize,
+        below: u64,
+    ) -> Vec<(u64, Arc<CachedFolio>)> {
         let mut st = self.state.lock();
         let st = &mut *st;
         let Some(d) = st.dirty_inos.get_mut(&ino) else {
@@ -460,6 +465,10 @@ impl PageCache {
             let Some(idx) = d.folios.pop_first() else {
                 break;
             };
+            if idx >= below {
+                d.folios.insert(idx);
+                break;
+            }
             if let Some(f) = st.folios.get(&(ino, idx)) {
                 out.push((idx, f.clone()));
             }
@@ -604,12 +613,13 @@ impl PageCache {
         v
     }
 
-    /// Drops the folios of `ino` from index `from` on, dirty or not (truncate, delete).
-    pub(crate) fn discard(&self, ino: u64, from: u64) {
+    /// Drops the folios of `ino` with indexes `from..to`, dirty or not (truncate,
+    /// delete).
+    pub(crate) fn discard(&self, ino: u64, from: u64, to: u64) {
         let mut st = self.state.lock();
         let keys: Vec<_> = st
             .folios
-            .range((ino, from)..(ino, u64::MAX))
+            .range((ino, from)..(ino, to.max(from)))
             .map(|(k, _)| *k)
             .collect();
         for k in keys {
@@ -627,7 +637,7 @@ impl PageCache {
                 self.recycle(f);
             }
         }
-        if from == 0 {
+        if from == 0 && to == u64::MAX {
             st.dirty_inos.remove(&ino);
             st.readahead.remove(&ino);
         }
@@ -643,7 +653,7 @@ impl PageCache {
             .map(|(k, _)| k.0)
             .collect();
         for ino in inos {
-            self.discard(ino, 0);
+            self.discard(ino, 0, u64::MAX);
         }
     }
 
@@ -915,13 +925,13 @@ mod tests {
         }
         assert_eq!(c.dirty_bytes(), 6 * BS);
         assert_eq!(c.dirty_blocks_of(5), 6);
-        c.discard(5, 1);
+        c.discard(5, 1, u64::MAX);
         assert_eq!(c.dirty_bytes(), 2 * BS);
         assert_eq!(c.dirty_blocks_of(5), 2);
         assert!(c.has_dirty(5));
         c.settle(5);
         assert!(c.has_dirty(5), "folio 0 is still dirty");
-        let taken = c.take_dirty(5, 10);
+        let taken = c.take_dirty(5, 10, u64::MAX);
         assert_eq!(taken.len(), 1);
         assert_eq!(taken[0].0, 0);
         {
@@ -929,7 +939,7 @@ mod tests {
             g.clear_dirty(0, 2);
             c.sub_dirty(5, 2);
         }
-        assert!(c.take_dirty(5, 10).is_empty());
+        assert!(c.take_dirty(5, 10, u64::MAX).is_empty());
         c.settle(5);
         assert!(!c.has_dirty(5));
         assert_eq!(c.dirty_bytes(), 0);

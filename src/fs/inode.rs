@@ -476,7 +476,7 @@ impl Inner {
 
     /// Deletes every item of `ino` and drops its extents' references.
     pub(crate) fn free_inode(&mut self, ino: u64) -> Result<()> {
-        self.cache.discard(ino, 0);
+        self.cache.discard(ino, 0, u64::MAX);
         self.pending.remove(&ino);
         self.maps.forget(ino);
         let start = Key::new(ino, 0, 0);

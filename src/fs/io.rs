@@ -206,6 +206,12 @@ impl Fs {
             return Err(Error::TooBig);
         }
         let cache = &self.cache;
+        if len > 0 {
+            // Room in memory before anything changes: a cache that failing writebacks
+            // keep past its size refuses the write whole, with their error, rather
+            // than grow without bound or fail it after its bytes went in.
+            self.make_room()?;
+        }
         let fsz = cache.folio_size();
         let span = if cache.opts().block_dirty {
             (offset / BS * BS, end.div_ceil(BS) * BS)
@@ -248,7 +254,10 @@ impl Fs {
         #[cfg(test)]
         super::run_hook(&self.write_hook, true);
         drop(held);
-        self.with(|i| i.note_write(ino, size, pos, stamp && pos > offset))?;
+        // A write that copied nothing (its first block would not read) leaves the
+        // size as it was, also past the end.
+        let reached = if pos > offset { pos } else { size };
+        self.with(|i| i.note_write(ino, size, reached, stamp && pos > offset))?;
         Stats::add(&self.stats.user_bytes, pos - offset);
         if let Some(e) = err {
             if pos == offset {
@@ -256,7 +265,7 @@ impl Fs {
             }
             tracing::warn!("short write of inode {ino} at {pos}: {e}");
         }
-        self.balance(ino)?;
+        self.balance(ino);
         Ok((pos - offset) as usize)
     }
 
@@ -437,7 +446,8 @@ impl Fs {
         if !behind.is_empty() {
             cache.drop_behind(ino, &behind);
         }
-        self.balance(ino)
+        self.balance(ino);
+        Ok(())
     }
 
     /// The blocks of `ino` in `from..to` that are not uptodate, as runs within their
@@ -530,7 +540,8 @@ impl Fs {
         self.fill_missing(ino, &missing)?;
         Stats::add(&self.stats.readahead_async, 1);
         drop(missing);
-        self.balance(ino)
+        self.balance(ino);
+        Ok(())
     }
 
     /// Reads the `missing` blocks of `ino` from the device into their folios, the
@@ -663,12 +674,16 @@ impl Fs {
     /// Keeps the cache within its limits after a write to `ino`: past the dirty limit
     /// the writer writes back its own file first, then [`Fs::shed`] a chunk of each
     /// file at a time.
-    fn balance(&self, ino: u64) -> Result<()> {
+    fn balance(&self, ino: u64) {
         let cache = &self.cache;
         if cache.dirty_bytes() > cache.dirty_limit() && cache.has_dirty(ino) {
             self.soft_writeback(ino, WB_CHUNK);
         }
-        self.shed(WB_CHUNK)
+        // The caller's bytes were copied: a failure is for the next write (which it
+        // refuses whole, see `write_as`), an fsync or the flusher to report.
+        if let Err(e) = self.shed(WB_CHUNK) {
+            tracing::debug!("the page cache stays past its size: {e}");
+        }
     }
 
     /// Brings the cache within its limits: past the dirty limit the oldest dirty files
@@ -687,15 +702,27 @@ impl Fs {
                 }
             }
         }
+        self.make_room()
+    }
+
+    /// Brings the cache within its size: evicts clean folios, and when too much is
+    /// dirty for that, writes back the oldest dirty files first. Fails only when the
+    /// cache stays past its size because writebacks failed, with the first error.
+    fn make_room(&self) -> Result<()> {
+        let cache = &self.cache;
+        let mut failed = None;
         if cache.evict() {
             for (other, _) in cache.dirty_inodes() {
-                self.writeback(other, WB_CHUNK)?;
+                // A file whose writeback fails is passed over for the next.
+                if let Err(e) = self.writeback(other, WB_CHUNK) {
+                    failed.get_or_insert(e);
+                }
                 if !cache.evict() {
-                    break;
+                    return Ok(());
                 }
             }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// A writeback past the dirty limit, which the writer that pays it does not fail
@@ -782,11 +809,12 @@ impl Fs {
         if !self.cache.has_dirty(ino) {
             return Ok(0);
         }
-        self.writeback_locked(ino, max)
+        self.writeback_locked(ino, max, u64::MAX)
     }
 
-    /// [`Fs::writeback`] for a caller that holds the writeback lock of `ino`.
-    fn writeback_locked(&self, ino: u64, max: u64) -> Result<u64> {
+    /// [`Fs::writeback`] for a caller that holds the writeback lock of `ino`, of the
+    /// folios below index `below`.
+    fn writeback_locked(&self, ino: u64, max: u64, below: u64) -> Result<u64> {
         let cache = &self.cache;
         let fsz = cache.folio_size();
         let nb = cache.blocks();
@@ -795,7 +823,7 @@ impl Fs {
             let mut runs: Vec<DirtyRun> = Vec::new();
             let mut taken = 0u64;
             let want = (WB_CHUNK.min(max - done) / fsz).max(1) as usize;
-            let folios = cache.take_dirty(ino, want);
+            let folios = cache.take_dirty(ino, want, below);
             if folios.is_empty() {
                 break;
             }
@@ -959,15 +987,19 @@ impl Fs {
         let cache = &self.cache;
         cache.wait_flusher(wait);
         let expire = cache.opts().dirty_expire;
+        let mut failed = None;
         for (ino, since) in cache.dirty_inodes() {
             let expired = since.elapsed() >= expire;
             let over = cache.dirty_bytes() > cache.background_limit();
             if !expired && !over {
                 break;
             }
-            self.writeback(ino, if expired { u64::MAX } else { WB_CHUNK })?;
+            // A file whose writeback fails does not hold up the others'.
+            if let Err(e) = self.writeback(ino, if expired { u64::MAX } else { WB_CHUNK }) {
+                failed.get_or_insert(e);
+            }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// Under memory pressure (`short`), halves what the page cache may hold and sheds
@@ -994,13 +1026,14 @@ impl Fs {
     }
 
     /// Before a change of `ino`'s blocks in the tree (truncate, hole punch,
-    /// preallocation), with the file and writeback locks held: drops the cached folios
-    /// from index `drop_from` on without writing them, writes back the rest, then
-    /// drops the folios from `invalidate_from` on, whose device copy is about to change.
-    fn settle_for_change(&self, ino: u64, drop_from: u64, invalidate_from: u64) -> Result<()> {
-        self.cache.discard(ino, drop_from);
-        self.writeback_locked(ino, u64::MAX)?;
-        self.cache.discard(ino, invalidate_from);
+    /// preallocation), with the file and writeback locks held: writes back the cached
+    /// folios below index `keep_below`, then drops those from `invalidate_from` on,
+    /// whose device copy is about to change. Folios from `keep_below` on (wholly past
+    /// a truncate's new size) stay as they are, dirty or not, for the caller to drop
+    /// once the change succeeded: a failed truncate loses no data.
+    fn settle_for_change(&self, ino: u64, keep_below: u64, invalidate_from: u64) -> Result<()> {
+        self.writeback_locked(ino, u64::MAX, keep_below)?;
+        self.cache.discard(ino, invalidate_from, keep_below);
         Ok(())
     }
 
@@ -1133,9 +1166,9 @@ impl Fs {
         let _w2 = w2.map(|l| l.lock());
         // The trees must hold both files' latest data: the source's is what gets
         // shared, and the target's dirty blocks must not land over the clone later.
-        self.writeback_locked(src, u64::MAX)?;
+        self.writeback_locked(src, u64::MAX, u64::MAX)?;
         if dst != src {
-            self.writeback_locked(dst, u64::MAX)?;
+            self.writeback_locked(dst, u64::MAX, u64::MAX)?;
         }
         let mut done = 0;
         let mut res = Ok(());
@@ -1158,7 +1191,8 @@ impl Fs {
             }
         }
         // The target's cached folios from the clone on show what it replaced.
-        self.cache.discard(dst, doff / self.cache.folio_size());
+        self.cache
+            .discard(dst, doff / self.cache.folio_size(), u64::MAX);
         Stats::add(&self.stats.cloned_bytes, done);
         match res {
             Err(e) if done == 0 => Err(e),
@@ -1183,19 +1217,24 @@ impl Fs {
         self.with(|i| i.check_setattr_allowed(ino, set))?;
         let _f = self.file_lock(ino).write();
         let _w = self.wb_lock(ino).lock();
-        if self.with(|i| i.check_file(ino)).is_ok() {
-            let fsz = self.cache.folio_size();
-            // Dirty data wholly past the new size is dropped unwritten.
+        let file = self.with(|i| i.check_file(ino)).is_ok();
+        let fsz = self.cache.folio_size();
+        if file {
             self.settle_for_change(ino, size.div_ceil(fsz), size / fsz)?;
         }
-        self.with_space(|i| {
+        let a = self.with_space(|i| {
             let emptied = size == 0 && i.pinned(ino) && i.get_inode(ino)?.size.get() > 0;
             let a = i.setattr(ino, set)?;
             if emptied {
                 i.flush_on_close.insert(ino);
             }
             Ok(a)
-        })
+        })?;
+        if file {
+            // Dirty data wholly past the new size is dropped unwritten.
+            self.cache.discard(ino, size.div_ceil(fsz), u64::MAX);
+        }
+        Ok(a)
     }
 
     /// Allocates, or with `punch_hole` deallocates, or with `zero_range` zeroes and

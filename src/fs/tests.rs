@@ -3504,3 +3504,96 @@ fn a_tree_change_failing_halfway_stops_changes_until_the_next_mount() {
         );
     }
 }
+
+/// A write past the end that copies nothing, because the block it shares with the
+/// end will not read (a damaged data block), fails and leaves the size as it was.
+#[test]
+fn a_write_past_the_end_that_copies_nothing_keeps_the_size() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.write(f, 0, &pattern(100, 3)).unwrap();
+    fs.commit().unwrap();
+    let addr = std::cell::Cell::new(0);
+    rewrite_first_extent(&fs, f, 0, |fe| addr.set(fe.disk_bytenr.get()));
+    fs.unmount().unwrap();
+    let dev = Arc::new(MemDev::from_image(dev.image()));
+    crate::dev::BlockDev::write_at(&*dev, &[0x5A; 16], addr.get()).unwrap();
+    let fs = Fs::open(dev, Options::default()).unwrap();
+    let err = fs.write(f, 200, b"x").unwrap_err();
+    assert_eq!(err.errno(), libc::EIO, "{err:?}");
+    assert_eq!(fs.getattr(f).unwrap().size, 100);
+}
+
+/// A truncate that fails (the block at the new end will not read, to zero its tail)
+/// loses no data: dirty data wholly past the new size stays cached and dirty, and
+/// reads back.
+#[test]
+fn a_failed_truncate_keeps_the_dirty_data_past_the_new_size() {
+    let (dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.write(f, 0, &pattern(2 * BS as usize, 3)).unwrap();
+    fs.commit().unwrap();
+    let addr = std::cell::Cell::new(0);
+    rewrite_first_extent(&fs, f, 0, |fe| addr.set(fe.disk_bytenr.get()));
+    fs.unmount().unwrap();
+    let dev = Arc::new(MemDev::from_image(dev.image()));
+    crate::dev::BlockDev::write_at(&*dev, &[0x5A; 16], addr.get() + BS).unwrap();
+    let fs = Fs::open(dev, Options::default()).unwrap();
+    let far = 4 * fs.cache.folio_size();
+    let tail = pattern(BS as usize, 9);
+    fs.write(f, far, &tail).unwrap();
+    let cut = SetAttr {
+        size: Some(BS + 100),
+        ..Default::default()
+    };
+    let err = fs.setattr(f, &cut).unwrap_err();
+    assert_eq!(err.errno(), libc::EIO, "{err:?}");
+    assert_eq!(fs.getattr(f).unwrap().size, far + BS);
+    let back = fs.read(f, far, BS as u32).unwrap();
+    assert!(back == tail, "the dirty data past the new size was lost");
+    assert_eq!(fs.dirty_bytes_of(f), BS);
+}
+
+/// With every writeback failing (a full host under a sparse image), a write that
+/// finds the cache past its size because of that is refused whole, before any of
+/// its bytes go in (the size stays), with the writeback's error; what is cached
+/// still reads, and with room again the writes go on and everything is fsynced.
+#[test]
+fn a_write_into_a_cache_that_failing_writebacks_keep_full_is_refused_whole() {
+    let (mem, fs) = mk(64 * MB);
+    fs.unmount().unwrap();
+    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
+    let o = Options {
+        cache: CacheOptions {
+            cache_size: 4 * MB,
+            ..CacheOptions::default()
+        },
+        ..Options::default()
+    };
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap().ino;
+    let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap().ino;
+    dev.refuse_writes_from(Some(past_log(&fs)));
+    let data = pattern(16 * MB as usize, 4);
+    let chunk = 256 << 10;
+    let mut written = 0;
+    let err = loop {
+        assert!(written < data.len(), "16 MiB went into a 4 MiB cache");
+        match fs.write(a, written as u64, &data[written..written + chunk]) {
+            Ok(n) => written += n,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    assert_eq!(fs.getattr(a).unwrap().size, written as u64);
+    assert!(read_all(&fs, a) == data[..written], "a reads back");
+    let err = fs.write(b, 0, &data[..4096]).unwrap_err();
+    assert_eq!(err.errno(), libc::ENOSPC, "{err}");
+    assert_eq!(fs.getattr(b).unwrap().size, 0);
+    dev.refuse_writes_from(None);
+    fs.write(b, 0, &data[..4096]).unwrap();
+    fs.write(a, written as u64, &data[written..]).unwrap();
+    fs.fsync(a, false).unwrap();
+    fs.fsync(b, false).unwrap();
+    assert!(read_all(&fs, a) == data, "a reads back whole");
+}
