@@ -650,8 +650,12 @@ pub(crate) fn within(
 /// Blocks [`data_landed`] reads at a time.
 const LANDED_CHUNK: usize = 64;
 
-/// Whether every data block a batch's checksum items describe holds that data.
-pub(crate) fn data_landed(ops: &[LogOp], read: &mut dyn FnMut(u64, &mut [u8]) -> bool) -> bool {
+/// Whether every data block a batch's checksum items describe holds that data; a
+/// read that fails is an error, not a block that did not land.
+pub(crate) fn data_landed(
+    ops: &[LogOp],
+    read: &mut dyn FnMut(u64, &mut [u8]) -> std::io::Result<()>,
+) -> std::io::Result<bool> {
     for op in ops {
         if let LogOp::Insert { tree: t, key, val } = op {
             if *t != tree::CSUM {
@@ -663,18 +667,16 @@ pub(crate) fn data_landed(ops: &[LogOp], read: &mut dyn FnMut(u64, &mut [u8]) ->
             for (c, sums) in val.chunks(LANDED_CHUNK * 4).enumerate() {
                 let n = sums.len() / 4;
                 let at = key.offset + (c * LANDED_CHUNK * bs) as u64;
-                if !read(at, &mut buf[..n * bs]) {
-                    return false;
-                }
+                read(at, &mut buf[..n * bs])?;
                 for (blk, want) in buf[..n * bs].chunks(bs).zip(sums.chunks_exact(4)) {
                     if csum(blk) != u32::from_le_bytes(want.try_into().unwrap()) {
-                        return false;
+                        return Ok(false);
                     }
                 }
             }
         }
     }
-    true
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -826,11 +828,12 @@ mod tests {
         let read = |disk: &[u8], off: u64, buf: &mut [u8], reads: &mut Vec<(u64, usize)>| {
             reads.push((off, buf.len()));
             buf.copy_from_slice(&disk[off as usize..off as usize + buf.len()]);
-            true
+            Ok(())
         };
         assert!(data_landed(&item(sums.clone()), &mut |o, b| read(
             &disk, o, b, &mut reads
-        )));
+        ))
+        .unwrap());
         assert_eq!(reads.len(), 3, "read in chunks: {reads:?}");
         assert_eq!(
             reads.iter().map(|r| r.1).sum::<usize>(),
@@ -839,12 +842,18 @@ mod tests {
         );
         // A block of the last chunk that did not land.
         disk[at as usize + (blocks - 1) * bs] ^= 1;
-        assert!(!data_landed(&item(sums), &mut |o, b| read(
+        assert!(!data_landed(&item(sums.clone()), &mut |o, b| read(
             &disk,
             o,
             b,
             &mut Vec::new()
-        )));
+        ))
+        .unwrap());
+        // A read that fails says nothing of whether the data landed.
+        let failed = data_landed(&item(sums), &mut |_, _| {
+            Err(std::io::Error::from_raw_os_error(libc::EIO))
+        });
+        assert!(failed.is_err(), "a failed read counted as data not landed");
     }
 
     /// Writes `b` into the area image.

@@ -675,7 +675,11 @@ impl Fs {
         };
         self.stats.fsync_latency.record(t0.elapsed());
         r?;
-        self.commit_if_log_full()
+        // The fsync is durable: a commit that fails here is for the next to report.
+        if let Err(e) = self.commit_if_log_full() {
+            tracing::error!("commit of a full log failed: {e}");
+        }
+        Ok(())
     }
 
     /// The first half of an fsync of `ino`: writes back its cached data, then gives
@@ -1451,22 +1455,25 @@ pub(crate) fn log_batches(
         used += next.used;
         found.extend(next.batches);
     }
-    let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr).is_ok();
+    // A read that fails stops the mount, the log untouched: counting it as data that
+    // did not land would drop every later batch for good.
+    let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr);
     let n = found.len();
     let (lo, hi) = (start + len, sb.total_bytes);
     let holes = crate::txn::super_holes(hi);
     let max_item = crate::txn::max_item_size(sb.node_size);
     let mut outside = false;
-    let batches: Vec<_> = found
-        .into_iter()
-        .take_while(|b| {
-            // No batch of this filesystem names blocks past its size or inserts an
-            // item no node holds: one that does is damage, and replaying it would
-            // make extents no check accepts, or nodes no commit can write.
-            outside = !crate::log::within(b, lo, hi, &holes, max_item);
-            !outside && crate::log::data_landed(b, &mut read)
-        })
-        .collect();
+    let mut batches = Vec::with_capacity(n);
+    for b in found {
+        // No batch of this filesystem names blocks past its size or inserts an item
+        // no node holds: one that does is damage, and replaying it would make extents
+        // no check accepts, or nodes no commit can write.
+        outside = !crate::log::within(&b, lo, hi, &holes, max_item);
+        if outside || !crate::log::data_landed(&b, &mut read)? {
+            break;
+        }
+        batches.push(b);
+    }
     let damaged = outside.then_some(batches.len());
     if outside {
         tracing::warn!(

@@ -3597,3 +3597,108 @@ fn a_write_into_a_cache_that_failing_writebacks_keep_full_is_refused_whole() {
     fs.fsync(b, false).unwrap();
     assert!(read_all(&fs, a) == data, "a reads back whole");
 }
+
+/// A device whose reads of `bad` fail with EIO; the rest goes to `inner`.
+struct FailingReads {
+    inner: MemDev,
+    bad: std::ops::Range<u64>,
+}
+
+impl crate::dev::BlockDev for FailingReads {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        if off < self.bad.end && self.bad.start < off + buf.len() as u64 {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        self.inner.read_at(buf, off)
+    }
+    fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, off)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+}
+
+/// A read that fails while replay checks that a batch's data landed fails the mount
+/// and leaves the log as it is: counted as data that did not land, it dropped that
+/// batch and every later one for good. With the device healthy again, both fsyncs
+/// replay.
+#[test]
+fn a_read_error_checking_logged_data_fails_the_mount_and_keeps_the_log() {
+    use zerocopy::FromBytes;
+    let (dev, fs) = mk(64 * MB);
+    let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap().ino;
+    let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap().ino;
+    fs.commit().unwrap();
+    fs.write(a, 0, &pattern(8192, 1)).unwrap();
+    fs.fsync(a, false).unwrap();
+    fs.write(b, 0, &pattern(8192, 2)).unwrap();
+    fs.fsync(b, false).unwrap();
+    let key = Key::new(a, kind::EXTENT_DATA, 0);
+    let fe = fs
+        .with(|i| i.store.search(tree::FS, &key))
+        .unwrap()
+        .unwrap();
+    let at = crate::format::FileExtent::read_from_bytes(&fe)
+        .unwrap()
+        .disk_bytenr
+        .get();
+    let img = dev.image();
+    drop(fs); // a crash: both fsyncs are in the log alone
+    let failing = Arc::new(FailingReads {
+        inner: MemDev::from_image(img),
+        bad: at..at + BS,
+    });
+    let err = Fs::open(failing.clone(), Options::default()).err();
+    assert!(err.is_some(), "mounted with a's data unread");
+    let img = failing.inner.image();
+    let fs = Fs::open(Arc::new(MemDev::from_image(img)), Options::default()).unwrap();
+    assert!(read_all(&fs, a) == pattern(8192, 1), "a's fsync was lost");
+    assert!(read_all(&fs, b) == pattern(8192, 2), "b's fsync was lost");
+}
+
+/// An fsync whose records are durable in the log answers Ok even when the commit it
+/// then starts, because the log is nearly full, fails (here the host refuses the
+/// commit's nodes): that failure is the next fsync's to report.
+#[test]
+fn an_fsync_durable_in_the_log_is_ok_when_the_commit_after_it_fails() {
+    let mem = Arc::new(MemDev::new(64 * MB));
+    let mkfs = MkfsOptions {
+        log_size: Some(MB),
+        ..Default::default()
+    };
+    Fs::mkfs(mem.clone(), &mkfs).unwrap();
+    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.commit().unwrap();
+    dev.refuse_writes_from(Some(past_log(&fs)));
+    let chmod = |n: u32| {
+        let set = SetAttr {
+            mode: Some(0o600 | (n % 2) * 0o44),
+            ..Default::default()
+        };
+        fs.setattr(f, &set).unwrap();
+    };
+    for n in 0.. {
+        assert!(n < 1000, "the log never filled");
+        chmod(n);
+        let r = fs.fsync(f, false);
+        if fs.stats().commits_deferred > 0 {
+            assert!(
+                r.is_ok(),
+                "fsync {n}, logged, failed with its commit: {r:?}"
+            );
+            break;
+        }
+        r.unwrap();
+    }
+    chmod(7);
+    assert!(
+        fs.fsync(f, false).is_err(),
+        "an fsync with no room for its commit"
+    );
+}
