@@ -3678,7 +3678,7 @@ fn an_fsync_durable_in_the_log_is_ok_when_the_commit_after_it_fails() {
     dev.refuse_writes_from(Some(past_log(&fs)));
     let chmod = |n: u32| {
         let set = SetAttr {
-            mode: Some(0o600 | (n % 2) * 0o44),
+            mode: Some(0o600 | ((n % 2) * 0o44)),
             ..Default::default()
         };
         fs.setattr(f, &set).unwrap();
