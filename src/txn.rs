@@ -73,8 +73,9 @@ pub(crate) struct Store {
     roots: BTreeMap<u64, Root>,
     written_roots: BTreeMap<u64, Root>,
     pub(crate) bytes_used: u64,
-    /// Newest generation whose superblock is durable: older clean nodes may be dropped.
-    durable_gen: u64,
+    /// The newest durable superblock: clean nodes of its generation or older may be
+    /// dropped, and a grow writes it to the superblock copies the new size brings in.
+    durable_sb: Superblock,
     pub(crate) readonly: bool,
     /// Changes of the running transaction, for fsync (see `log`).
     pub(crate) log: LogBuffer,
@@ -110,7 +111,8 @@ pub(crate) struct CommitBatch {
     node_size: usize,
     supers: Vec<(u64, Vec<u8>)>,
     pinned: Vec<(u64, u64)>,
-    generation: u64,
+    /// The superblock it writes.
+    sb: Superblock,
     /// The batch that closes the committed generation's log, to write before any
     /// batch of the next (see `LogBuffer::commit_started`).
     pub(crate) closing: Option<crate::log::Batch>,
@@ -327,7 +329,7 @@ impl Store {
             dev,
             stats: Arc::new(Stats::default()),
             bytes_used: sb.bytes_used,
-            durable_gen: sb.generation,
+            durable_sb: sb.clone(),
             sb,
             generation,
             cache_cap,
@@ -365,11 +367,13 @@ impl Store {
                 "the device is smaller than the size asked for",
             ));
         }
-        // The copies the new size brings in get the last commit's superblock first, and
-        // are flushed: a power cut in the grow's commit may land its first copy (the
-        // new size) without these, and every copy within a size must be valid.
+        // The copies the new size brings in get the last durable commit's superblock
+        // first, and are flushed: a power cut in the grow's commit may land its first
+        // copy (the new size) without these, and every copy within a size must be
+        // valid. (`self.sb` may be a commit the host refused, which names nodes that
+        // never reached the disk.)
         for (off, _) in super_holes(size).into_iter().filter(|&(o, _)| o >= old) {
-            self.dev.write_at(&self.sb.encode(off), off)?;
+            self.dev.write_at(&self.durable_sb.encode(off), off)?;
         }
         self.dev.flush()?;
         self.alloc
@@ -889,7 +893,7 @@ impl Store {
             node_size: self.sb.node_size as usize,
             supers,
             pinned: self.alloc.take_pinned(),
-            generation: self.sb.generation,
+            sb: self.sb.clone(),
             closing,
         })
     }
@@ -956,7 +960,7 @@ impl Store {
     /// Releases what the durable commit freed. Called under the fs lock.
     pub(crate) fn finish_commit(&mut self, batch: CommitBatch) {
         self.alloc.unpin(batch.pinned);
-        self.durable_gen = batch.generation;
+        self.durable_sb = batch.sb;
         self.log.commit_done();
         self.evict_clean();
     }
@@ -1277,7 +1281,7 @@ impl Store {
         if self.cache.len() <= self.cache_cap {
             return;
         }
-        let durable = self.durable_gen;
+        let durable = self.durable_sb.generation;
         let dirty = &self.dirty;
         self.cache
             .retain(|a, n| dirty.contains(a) || n.hdr.generation > durable || n.hdr.level > 0);

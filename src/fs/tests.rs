@@ -3702,3 +3702,46 @@ fn an_fsync_durable_in_the_log_is_ok_when_the_commit_after_it_fails() {
         "an fsync with no room for its commit"
     );
 }
+
+/// A grow while a commit waits for room on the host (the host refused its nodes)
+/// gives the superblock copies the new size brings in the last durable commit's
+/// superblock, not the waiting commit's, which names nodes that never reached the
+/// disk: a crash right after the grow's first flush mounts, with what was fsynced.
+#[test]
+fn a_grow_while_a_commit_waits_for_room_writes_the_durable_superblock() {
+    let mem = Arc::new(MemDev::new(32 * MB));
+    Fs::mkfs(mem.clone(), &MkfsOptions::default()).unwrap();
+    let mut img = mem.image();
+    img.resize(128 * MB as usize, 0);
+    let dev = Arc::new(crate::dev::CrashDev::new(img));
+    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap().ino;
+    fs.write(a, 0, &pattern(8192, 5)).unwrap();
+    fs.fsync(a, false).unwrap();
+    dev.refuse_writes_from(Some(past_log(&fs)));
+    fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
+    assert!(fs.commit().is_err(), "committed with no room");
+    assert_eq!(fs.stats().commits_deferred, 1);
+    dev.refuse_writes_from(None);
+    let before = dev.op_count();
+    fs.grow(96 * MB).unwrap();
+    let first = dev
+        .flush_points()
+        .into_iter()
+        .find(|&p| p > before)
+        .unwrap();
+    let crashed = MemDev::from_image(dev.image_with(first, &[]));
+    let crashed = Fs::open(Arc::new(crashed), Options::default()).unwrap();
+    assert!(
+        read_all(&crashed, a) == pattern(8192, 5),
+        "a's fsync was lost"
+    );
+    fs.unmount().unwrap();
+    let fs = Fs::open(
+        Arc::new(MemDev::from_image(dev.live_image())),
+        Options::default(),
+    )
+    .unwrap();
+    assert_eq!(fs.size(), 96 * MB);
+    assert!(fs.lookup(ROOT_INO, b"d").is_ok());
+}
