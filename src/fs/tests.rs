@@ -1831,32 +1831,6 @@ fn library_creates_inherit_the_default_acl() {
 /// area (up to 512 MiB on a large image), and replays them.
 #[test]
 fn a_crash_mount_reads_the_log_it_replays_not_the_whole_area() {
-    /// A device that counts the bytes read in a range.
-    struct Counting {
-        dev: MemDev,
-        range: std::ops::Range<u64>,
-        read: std::sync::atomic::AtomicU64,
-    }
-    impl BlockDev for Counting {
-        fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
-            let end = off + buf.len() as u64;
-            let inside = end
-                .min(self.range.end)
-                .saturating_sub(off.max(self.range.start));
-            self.read
-                .fetch_add(inside, std::sync::atomic::Ordering::Relaxed);
-            self.dev.read_at(buf, off)
-        }
-        fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
-            self.dev.write_at(buf, off)
-        }
-        fn flush(&self) -> std::io::Result<()> {
-            self.dev.flush()
-        }
-        fn size(&self) -> u64 {
-            self.dev.size()
-        }
-    }
     let (dev, fs) = mk(256 * MB);
     let sb = crate::txn::Store::read_super(dev.as_ref()).unwrap();
     assert!(sb.log_len >= 8 * MB);
@@ -1873,11 +1847,11 @@ fn a_crash_mount_reads_the_log_it_replays_not_the_whole_area() {
     // The power goes: the image as it is, without the commit an unmount makes.
     let image = dev.image();
     drop(fs);
-    let counting = Arc::new(Counting {
-        dev: MemDev::from_image(image),
-        range: sb.log_start..sb.log_start + sb.log_len,
-        read: Default::default(),
-    });
+    let counting = Arc::new(Watched::new(
+        image,
+        sb.log_start..sb.log_start + sb.log_len,
+        false,
+    ));
     let fs = Fs::open(counting.clone(), Options::default()).unwrap();
     for (i, &f) in files.iter().enumerate() {
         assert_eq!(read_all(&fs, f), pattern(10_000, i as u8));
@@ -3598,17 +3572,37 @@ fn a_write_into_a_cache_that_failing_writebacks_keep_full_is_refused_whole() {
     assert!(read_all(&fs, a) == data, "a reads back whole");
 }
 
-/// A device whose reads of `bad` fail with EIO; the rest goes to `inner`.
-struct FailingReads {
+/// A device over an image in memory that counts the bytes read in `range`, and with
+/// `fail`, fails every read that touches it with EIO.
+struct Watched {
     inner: MemDev,
-    bad: std::ops::Range<u64>,
+    range: std::ops::Range<u64>,
+    fail: bool,
+    read: std::sync::atomic::AtomicU64,
 }
 
-impl crate::dev::BlockDev for FailingReads {
+impl Watched {
+    fn new(image: Vec<u8>, range: std::ops::Range<u64>, fail: bool) -> Watched {
+        Watched {
+            inner: MemDev::from_image(image),
+            range,
+            fail,
+            read: Default::default(),
+        }
+    }
+}
+
+impl crate::dev::BlockDev for Watched {
     fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
-        if off < self.bad.end && self.bad.start < off + buf.len() as u64 {
+        let end = off + buf.len() as u64;
+        let inside = end
+            .min(self.range.end)
+            .saturating_sub(off.max(self.range.start));
+        if self.fail && inside > 0 {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
+        self.read
+            .fetch_add(inside, std::sync::atomic::Ordering::Relaxed);
         self.inner.read_at(buf, off)
     }
     fn write_at(&self, buf: &[u8], off: u64) -> std::io::Result<()> {
@@ -3648,10 +3642,7 @@ fn a_read_error_checking_logged_data_fails_the_mount_and_keeps_the_log() {
         .get();
     let img = dev.image();
     drop(fs); // a crash: both fsyncs are in the log alone
-    let failing = Arc::new(FailingReads {
-        inner: MemDev::from_image(img),
-        bad: at..at + BS,
-    });
+    let failing = Arc::new(Watched::new(img, at..at + BS, true));
     let err = Fs::open(failing.clone(), Options::default()).err();
     assert!(err.is_some(), "mounted with a's data unread");
     let img = failing.inner.image();
