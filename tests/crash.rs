@@ -2718,7 +2718,7 @@ fn whiteout_renames_and_acl_creates_are_whole_across_every_power_cut() {
         def.extend_from_slice(&perm.to_le_bytes());
         def.extend_from_slice(&id.to_le_bytes());
     }
-    fs.set_acl(d.ino, b"system.posix_acl_default", &def)
+    fs.set_acl(d.ino, b"system.posix_acl_default", &def, true)
         .unwrap();
     fs.fsync(a.ino, false).unwrap();
     fs.fsync(d.ino, false).unwrap();

@@ -2891,6 +2891,43 @@ const AM: u16 = 0x10;
 const AO: u16 = 0x20;
 const NOID: u32 = u32::MAX;
 
+/// Setting an access ACL clears S_ISGID when the caller is neither in the file's
+/// group nor has CAP_FSETID, as Linux's `posix_acl_update_mode` does (the kernel
+/// leaves it to the filesystem); an owner in the group, or root, keeps it.
+#[test]
+fn an_access_acl_set_from_outside_the_files_group_clears_setgid() {
+    let mut m = Mount::new();
+    let f = m.path("f");
+    fs::write(&f, b"x").unwrap();
+    let acl = acl_xattr(&[
+        (AU, 6, NOID),
+        (AUN, 4, 1234),
+        (AG, 5, NOID),
+        (AM, 5, NOID),
+        (AO, 0, NOID),
+    ]);
+    for (group, as_root, want) in [
+        (0, false, 0o650),
+        (NOGROUP, false, 0o2650),
+        (0, true, 0o2650),
+    ] {
+        std::os::unix::fs::chown(&f, Some(NOBODY), Some(group)).unwrap();
+        chmod(&f, 0o2750).unwrap();
+        if as_root {
+            setxattr(&f, ACL_ACCESS, &acl, 0).unwrap();
+        } else {
+            run_as(NOBODY, NOGROUP, || setxattr(&f, ACL_ACCESS, &acl, 0)).unwrap();
+        }
+        assert_eq!(
+            perm(stat(&f).mode()),
+            want,
+            "file group {group}, set by {}",
+            if as_root { "root" } else { "nobody" }
+        );
+    }
+    m.unmount();
+}
+
 /// POSIX ACLs: the kernel enforces what birchfs stores; an access ACL sets the
 /// mode's bits (group from the mask), chmod sets the ACL's, a minimal ACL is just
 /// the mode, and a directory's default ACL goes to what is made in it (masked by

@@ -190,8 +190,15 @@ impl Inner {
     }
 
     /// Sets ACL `name` of `ino` from its xattr bytes. An access ACL sets the mode's
-    /// permission bits, and is not stored when the mode says it all.
-    pub(crate) fn set_acl(&mut self, ino: u64, name: &[u8], value: &[u8]) -> Result<()> {
+    /// permission bits (and clears S_ISGID unless `keep_sgid`), and is not stored
+    /// when the mode says it all.
+    pub(crate) fn set_acl(
+        &mut self,
+        ino: u64,
+        name: &[u8],
+        value: &[u8],
+        keep_sgid: bool,
+    ) -> Result<()> {
         let acl = Acl::parse(value)?;
         if name == DEFAULT {
             return self.setxattr(ino, name, &acl.encode(), false, false);
@@ -206,7 +213,12 @@ impl Inner {
         }
         // Read after the xattr change, which stored the inode with a new ctime.
         let mut i = self.get_inode(ino)?;
-        i.mode = ((i.mode.get() & !0o777) | acl.mode_bits()).into();
+        let kept = if keep_sgid {
+            !0o777
+        } else {
+            !0o777 & !libc::S_ISGID
+        };
+        i.mode = ((i.mode.get() & kept) | acl.mode_bits()).into();
         i.ctime = crate::format::Timespec::now();
         self.put_inode(ino, &mut i)
     }

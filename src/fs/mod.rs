@@ -1045,14 +1045,16 @@ impl Fs {
     }
 
     /// Sets the POSIX ACL `name` (`system.posix_acl_access` or `_default`) of `ino`
-    /// from its xattr bytes, keeping the mode in step (see `acl`).
-    pub fn set_acl(&self, ino: u64, name: &[u8], value: &[u8]) -> Result<()> {
+    /// from its xattr bytes, keeping the mode in step (see `acl`). `keep_sgid`: the
+    /// caller is in the file's group or has CAP_FSETID; otherwise an access ACL clears
+    /// S_ISGID, as Linux's `posix_acl_update_mode` does.
+    pub fn set_acl(&self, ino: u64, name: &[u8], value: &[u8], keep_sgid: bool) -> Result<()> {
         if !acl::is_acl_name(name) {
             return Err(Error::Invalid("not a POSIX ACL name"));
         }
         Self::live(ino)?;
         self.with(|i| i.refuse_if_flagged(ino, FIXED))?;
-        self.with_space(|i| i.set_acl(ino, name, value))
+        self.with_space(|i| i.set_acl(ino, name, value, keep_sgid))
     }
 
     /// Creates a directory, with the parent's default POSIX ACL if it has one (as

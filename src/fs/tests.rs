@@ -1805,7 +1805,8 @@ fn library_creates_inherit_the_default_acl() {
         (0x20, 5, u),
     ]);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap().ino;
-    fs.set_acl(d, b"system.posix_acl_default", &def).unwrap();
+    fs.set_acl(d, b"system.posix_acl_default", &def, true)
+        .unwrap();
     let f = fs.mknod(d, b"f", 0o666, 0, cr()).unwrap();
     assert_eq!(f.perm, 0o664, "the default ACL masked by the mode");
     let access = fs.getxattr(f.ino, b"system.posix_acl_access").unwrap();

@@ -423,7 +423,7 @@ impl Filesystem for FuseFs {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -432,7 +432,15 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let _served = self.serving(abi::SETXATTR);
-        FuseFs::setxattr(self, ino.0, name.as_bytes(), value, flags, reply)
+        FuseFs::setxattr(
+            self,
+            &caller(req),
+            ino.0,
+            name.as_bytes(),
+            value,
+            flags,
+            reply,
+        )
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {

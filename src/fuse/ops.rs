@@ -446,8 +446,9 @@ impl CallerPrivs {
         CallerPrivs { fsetid, groups }
     }
 
-    /// Whether a change by this caller leaves S_ISGID on a file of group `gid` whose
-    /// group may not execute (Linux 6.2's `setattr_should_drop_sgid`).
+    /// Whether a change by this caller leaves S_ISGID on a file of group `gid`: one
+    /// whose group may not execute (Linux 6.2's `setattr_should_drop_sgid`), or any
+    /// whose access ACL it sets (`posix_acl_update_mode`).
     fn keeps_sgid(&self, gid: u32) -> bool {
         self.fsetid || self.groups.contains(&gid)
     }
@@ -1377,6 +1378,7 @@ impl FuseFs {
 
     pub(crate) fn setxattr(
         &self,
+        c: &Caller,
         nodeid: u64,
         name: &[u8],
         value: &[u8],
@@ -1387,7 +1389,12 @@ impl FuseFs {
             return reply.error(err(libc::EOPNOTSUPP));
         }
         if is_acl_name(name) {
-            return empty(self.fs.set_acl(to_ino(nodeid), name, value), reply);
+            // The kernel leaves S_ISGID to the filesystem here (it would say so only
+            // with FUSE_SETXATTR_EXT, which fuser does not offer).
+            let ino = to_ino(nodeid);
+            let gid = self.fs.getattr(ino).map_or(u32::MAX, |a| a.gid);
+            let keep = CallerPrivs::of(c.pid).keeps_sgid(gid);
+            return empty(self.fs.set_acl(ino, name, value, keep), reply);
         }
         let create = flags & libc::XATTR_CREATE != 0;
         let replace = flags & libc::XATTR_REPLACE != 0;

@@ -746,7 +746,7 @@ fn run(fs: &FuseFs, h: &InHeader, c: &Caller, op: &Args, payload: &[u8], mut r: 
         abi::FSYNC | abi::FSYNCDIR => fs.fsync(c.pid, n, op.u32(8) & abi::FSYNC_FDATASYNC != 0, r),
         abi::SETXATTR => with_name(payload, r, |name, value, r| {
             let size = (op.u32(0) as usize).min(value.len());
-            fs.setxattr(n, name, &value[..size], op.u32(4) as i32, r)
+            fs.setxattr(c, n, name, &value[..size], op.u32(4) as i32, r)
         }),
         abi::GETXATTR => with_name(payload, r, |name, _, r| fs.getxattr(n, name, op.u32(0), r)),
         abi::LISTXATTR => fs.listxattr(n, op.u32(0), r),
