@@ -641,6 +641,12 @@ pub fn check(dev: &dyn BlockDev) -> Result<Report> {
     match crate::fs::log_batches(dev, &sb, sb.generation + 1) {
         Ok(found) => {
             w.rep.pending_log_batches = found.batches.len();
+            if let Some((n, e)) = found.unreadable {
+                w.problem(format!(
+                    "log batch {n}: the data it names cannot be read ({e}), so a mount fails \
+                     until it can; the {n} batches before it replay"
+                ));
+            }
             if let Some(n) = found.damaged {
                 w.problem(format!(
                     "log batch {n} names blocks outside the data area, or an item larger than a \

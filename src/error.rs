@@ -86,7 +86,8 @@ pub enum Error {
 }
 
 impl Error {
-    /// The error of a filesystem that stopped changes after a failed write or flush.
+    /// The error of a filesystem that stopped changes after a failed write, flush or
+    /// tree change.
     pub(crate) fn stopped() -> Error {
         Error::Io(std::io::Error::from_raw_os_error(libc::EIO))
     }

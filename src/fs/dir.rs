@@ -250,10 +250,11 @@ impl Inner {
         Ok(e)
     }
 
-    /// Refuses `name` in a directory whose dir item for it holds `list` when the item
-    /// has no room for one more entry once the entry named `leaving` (removed by the
-    /// same operation first) is gone: checked before anything changes, so that no
-    /// operation is left half done.
+    /// Refuses (EOVERFLOW) `name` when its dir item, `list` less the entry named
+    /// `leaving`, has no room for it.
+    ///
+    /// `leaving` is removed by the same operation first. Checked before anything
+    /// changes, so that no operation is left half done.
     fn check_entry_room(
         &self,
         list: &[DirEntry],
@@ -279,7 +280,9 @@ impl Inner {
 
     /// The item that holds `name` (with `index`) as one of `ino`'s names in `dir`,
     /// with the names it shares, as (key, value) to insert, and whether it is an
-    /// extended ref. Changes nothing, so it also checks for room before a change.
+    /// extended ref; EMLINK when neither has room.
+    ///
+    /// It changes nothing: rename calls it before any change, for that check alone.
     /// `fresh`: `ino` was just made and has no names yet.
     fn back_ref(
         &mut self,
@@ -395,6 +398,22 @@ impl Inner {
         cr: Creds,
         target: Option<&[u8]>,
     ) -> Result<Attr> {
+        self.make_node(parent, name, mode, rdev, cr, target, true)
+    }
+
+    /// [`Inner::create_node`]; without `check_room`, for a caller that checked for
+    /// room before changes of its own.
+    #[allow(clippy::too_many_arguments)]
+    fn make_node(
+        &mut self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u64,
+        cr: Creds,
+        target: Option<&[u8]>,
+        check_room: bool,
+    ) -> Result<Attr> {
         check_name(name)?;
         let mut p = self.dir_inode(parent)?;
         if p.nlink.get() == 0 {
@@ -429,7 +448,9 @@ impl Inner {
                 return Err(Error::NameTooLong);
             }
         }
-        self.need_room()?;
+        if check_room {
+            self.need_room()?;
+        }
         self.check_entry_room(&list, name, None)?;
         let mode = if mode & libc::S_IFMT == 0 {
             mode | libc::S_IFREG
@@ -610,6 +631,47 @@ impl Inner {
             }
             None => self.refuse_if_flagged(np, inode_flag::IMMUTABLE),
         }
+    }
+
+    /// Renames `n` in `p` to `nn` in `np` and leaves a whiteout (a 0/0 character
+    /// device) in its place (RENAME_WHITEOUT). The room for the whiteout, in space
+    /// and in its dir item, is checked first, so that the rename never stands without
+    /// it.
+    pub(crate) fn rename_whiteout(
+        &mut self,
+        p: u64,
+        n: &[u8],
+        np: u64,
+        nn: &[u8],
+        noreplace: bool,
+        cr: Creds,
+    ) -> Result<()> {
+        check_name(n)?;
+        check_name(nn)?;
+        self.need_room()?;
+        // The whiteout's dir item as the rename leaves it: without `n`, and with `nn`
+        // when that lands in it.
+        let mut list: Vec<DirEntry> = self.dir_item(p, n)?;
+        list.retain(|e| e.name != n);
+        if np == p
+            && dir_item_key(p, nn) == dir_item_key(p, n)
+            && !list.iter().any(|e| e.name == nn)
+        {
+            list.push(DirEntry {
+                ino: 0,
+                dtype: 0,
+                index: 0,
+                name: nn.to_vec(),
+            });
+        }
+        self.check_entry_room(&list, n, None)?;
+        let flags = RenameFlags {
+            noreplace,
+            exchange: false,
+        };
+        self.rename(p, n, np, nn, flags)?;
+        self.make_node(p, n, libc::S_IFCHR, 0, cr, None, false)
+            .map(|_| ())
     }
 
     pub(crate) fn rename(

@@ -31,6 +31,10 @@ const BS: u64 = BLOCK_SIZE;
 /// Most dirty bytes one writeback pass takes from the cache before writing them.
 const WB_CHUNK: u64 = 8 << 20;
 
+/// Files whose writeback failed that one pass at bringing the cache within its limits
+/// passes over before it gives up (a full host fails them all).
+const PASSED_OVER: usize = 4;
+
 /// Readahead windows queued at most (older ones are dropped first): four streams'.
 const RA_QUEUE_MAX: usize = 16;
 
@@ -671,9 +675,9 @@ impl Fs {
         g.uptodate.set_range(m.a, m.b);
     }
 
-    /// Keeps the cache within its limits after a write to `ino`: past the dirty limit
-    /// the writer writes back its own file first, then [`Fs::shed`] a chunk of each
-    /// file at a time.
+    /// Keeps the cache within its limits after a read or a write of `ino`; a failure
+    /// is logged. Past the dirty limit the writer writes back its own file first,
+    /// then [`Fs::shed`] a chunk of each file at a time.
     fn balance(&self, ino: u64) {
         let cache = &self.cache;
         if cache.dirty_bytes() > cache.dirty_limit() && cache.has_dirty(ino) {
@@ -694,11 +698,14 @@ impl Fs {
     fn shed(&self, per_file: u64) -> Result<()> {
         let cache = &self.cache;
         if cache.dirty_bytes() > cache.dirty_limit() {
+            let mut failures = 0;
             for (other, _) in cache.dirty_inodes() {
-                if cache.dirty_bytes() <= cache.dirty_limit()
-                    || !self.soft_writeback(other, per_file)
-                {
+                if cache.dirty_bytes() <= cache.dirty_limit() || failures == PASSED_OVER {
                     break;
+                }
+                // A file whose writeback fails is passed over for the next.
+                if !self.soft_writeback(other, per_file) {
+                    failures += 1;
                 }
             }
         }
@@ -710,19 +717,25 @@ impl Fs {
     /// cache stays past its size because writebacks failed, with the first error.
     fn make_room(&self) -> Result<()> {
         let cache = &self.cache;
-        let mut failed = None;
+        let (mut first, mut failures) = (None, 0);
         if cache.evict() {
             for (other, _) in cache.dirty_inodes() {
-                // A file whose writeback fails is passed over for the next.
+                // A file whose writeback fails is passed over for the next (it freed
+                // nothing to evict).
                 if let Err(e) = self.writeback(other, WB_CHUNK) {
-                    failed.get_or_insert(e);
+                    first.get_or_insert(e);
+                    failures += 1;
+                    if failures == PASSED_OVER {
+                        break;
+                    }
+                    continue;
                 }
                 if !cache.evict() {
                     return Ok(());
                 }
             }
         }
-        failed.map_or(Ok(()), Err)
+        first.map_or(Ok(()), Err)
     }
 
     /// A writeback past the dirty limit, which the writer that pays it does not fail
@@ -1230,11 +1243,13 @@ impl Fs {
             }
             Ok(a)
         })?;
-        if file {
-            // Dirty data wholly past the new size is dropped unwritten.
-            self.cache.discard(ino, size.div_ceil(fsz), u64::MAX);
+        if !file {
+            return Ok(a);
         }
-        Ok(a)
+        // Dirty data wholly past the new size is dropped unwritten; the attributes
+        // then count its blocks no more.
+        self.cache.discard(ino, size.div_ceil(fsz), u64::MAX);
+        self.getattr(ino)
     }
 
     /// Allocates, or with `punch_hole` deallocates, or with `zero_range` zeroes and

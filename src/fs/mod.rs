@@ -665,7 +665,9 @@ impl Fs {
     /// Returns at once when every change of `ino` is already durable; otherwise writes
     /// the pending log records (every operation's, in order) as one batch and flushes.
     /// fsyncs that arrive while a batch is written wait for the lock and usually find
-    /// their records already durable (group commit).
+    /// their records already durable (group commit). When the log is nearly full it
+    /// then commits; a failure of that commit is logged, not returned (the fsync is
+    /// durable).
     pub fn fsync(&self, ino: u64, datasync: bool) -> Result<()> {
         let t0 = std::time::Instant::now();
         let r = match self.fsync_target(ino, datasync) {
@@ -1158,20 +1160,10 @@ impl Fs {
     ) -> Result<()> {
         Self::live_dir(parent)?;
         Self::live_dir(newparent)?;
-        let flags = RenameFlags {
-            noreplace,
-            exchange: false,
-        };
         if !noreplace {
             self.write_back_replacing(parent, name, newparent, newname);
         }
-        self.with_space(|i| {
-            // Room for the whiteout first, so that the rename is never left without it.
-            i.need_room()?;
-            i.rename(parent, name, newparent, newname, flags)?;
-            i.create_node(parent, name, libc::S_IFCHR, 0, cr, None)
-                .map(|_| ())
-        })
+        self.with_space(|i| i.rename_whiteout(parent, name, newparent, newname, noreplace, cr))
     }
 
     /// Directory entries after `offset` (0 to start), at most `max` of them.
@@ -1420,12 +1412,15 @@ pub(crate) struct FoundLog {
     /// Set when the log ends at a damaged batch (one naming blocks outside the data
     /// area): its index.
     pub damaged: Option<usize>,
+    /// Set when the log ends at a batch whose data would not read (a read error, not
+    /// data that did not land): its index, and the error.
+    pub unreadable: Option<(usize, std::io::Error)>,
 }
 
 /// The log batches a mount would replay on `dev` (superblock `sb`, running
 /// generation `generation`): those of the running generation, and of the next when
-/// a commit was in flight, up to the first whose data did not land or that is
-/// damaged.
+/// a commit was in flight, up to the first whose data did not land, would not read
+/// ([`FoundLog::unreadable`]), or that is damaged.
 pub(crate) fn log_batches(
     dev: &dyn BlockDev,
     sb: &crate::format::Superblock,
@@ -1445,6 +1440,7 @@ pub(crate) fn log_batches(
             batches: Vec::new(),
             used: 0,
             damaged: None,
+            unreadable: None,
         });
     }
     let mut area = crate::log::DevArea::new(dev, start, len);
@@ -1457,9 +1453,10 @@ pub(crate) fn log_batches(
         used += next.used;
         found.extend(next.batches);
     }
-    // A read that fails stops the mount, the log untouched: counting it as data that
-    // did not land would drop every later batch for good.
+    // A read that fails is no proof that data did not land: the caller learns of it
+    // (a mount fails, the log untouched, rather than drop every later batch for good).
     let mut read = |addr: u64, buf: &mut [u8]| dev.read_at(buf, addr);
+    let mut unreadable = None;
     let n = found.len();
     let (lo, hi) = (start + len, sb.total_bytes);
     let holes = crate::txn::super_holes(hi);
@@ -1471,10 +1468,17 @@ pub(crate) fn log_batches(
         // no node holds: one that does is damage, and replaying it would make extents
         // no check accepts, or nodes no commit can write.
         outside = !crate::log::within(&b, lo, hi, &holes, max_item);
-        if outside || !crate::log::data_landed(&b, &mut read)? {
+        if outside {
             break;
         }
-        batches.push(b);
+        match crate::log::data_landed(&b, &mut read) {
+            Ok(true) => batches.push(b),
+            Ok(false) => break,
+            Err(e) => {
+                unreadable = Some((batches.len(), e));
+                break;
+            }
+        }
     }
     let damaged = outside.then_some(batches.len());
     if outside {
@@ -1484,6 +1488,8 @@ pub(crate) fn log_batches(
              an item larger than a node holds, so it is damaged",
             batches.len()
         );
+    } else if unreadable.is_some() {
+        // Said by the caller.
     } else if batches.len() < n {
         // The batches of a flush a crash cut short: answered fsyncs are never among them.
         tracing::info!(
@@ -1495,6 +1501,7 @@ pub(crate) fn log_batches(
         batches,
         used,
         damaged,
+        unreadable,
     })
 }
 
@@ -1536,7 +1543,16 @@ impl Inner {
     /// returns how many. See `log`.
     fn replay_log(&mut self) -> Result<usize> {
         let st = &mut self.store;
-        let FoundLog { batches, used, .. } = log_batches(st.dev.as_ref(), &st.sb, st.generation)?;
+        let found = log_batches(st.dev.as_ref(), &st.sb, st.generation)?;
+        if let Some((n, e)) = found.unreadable {
+            tracing::error!(
+                "log replay cannot read the data of batch {n}: {e}; the log is left as it \
+                 is (mount read-only with nologreplay to see the last commit, or use \
+                 `birchfs restore`)"
+            );
+            return Err(e.into());
+        }
+        let FoundLog { batches, used, .. } = found;
         // New batches go after everything found, which stays as it is until the next
         // commit is durable: a crash before that replays the same.
         st.log.skip_found(used);

@@ -3356,9 +3356,10 @@ fn colliding_names(n: usize) -> Vec<Vec<u8>> {
 }
 
 /// A name whose dir item (the names that share its hash) is full is refused with
-/// EOVERFLOW before anything changes, by create, link and rename alike: no inode is
-/// left without a name, and a renamed file keeps its old one. A rename over one of
-/// the item's names still works (the replaced entry leaves room).
+/// EOVERFLOW before anything changes, by create, link and rename alike (also a
+/// rename that would leave a whiteout): no inode is left without a name, and a
+/// renamed file keeps its old one. A rename over one of the item's names still works
+/// (the replaced entry leaves room).
 #[test]
 fn a_name_for_a_full_dir_item_is_refused_before_anything_changes() {
     let dev = Arc::new(MemDev::new(64 * MB));
@@ -3389,6 +3390,16 @@ fn a_name_for_a_full_dir_item_is_refused_before_anything_changes() {
     assert!(matches!(err, Error::Overflow), "link: {err:?}");
     let err = fs.mkdir(d.ino, full, 0o755, cr()).unwrap_err();
     assert!(matches!(err, Error::Overflow), "mkdir: {err:?}");
+    // A rename within the item fits, but not with a whiteout left behind.
+    let first = fs.lookup(d.ino, &names[0]).unwrap().ino;
+    let err = fs
+        .rename_whiteout(d.ino, &names[0], d.ino, full, false, cr())
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Overflow),
+        "rename with whiteout: {err:?}"
+    );
+    assert_eq!(fs.lookup(d.ino, &names[0]).unwrap().ino, first);
     assert_eq!(fs.lookup(ROOT_INO, b"f").unwrap().ino, f.ino);
     assert_eq!(fs.getattr(f.ino).unwrap().nlink, 1);
     assert_eq!(fs.readdir(d.ino, 0, 1000).unwrap().len(), made + 2);
@@ -3646,6 +3657,11 @@ fn a_read_error_checking_logged_data_fails_the_mount_and_keeps_the_log() {
     let failing = Arc::new(Watched::new(img, at..at + BS, true));
     let err = Fs::open(failing.clone(), Options::default()).err();
     assert!(err.is_some(), "mounted with a's data unread");
+    let problems = crate::check::check(failing.as_ref()).unwrap().problems;
+    assert!(
+        problems.len() == 1 && problems[0].contains("cannot be read"),
+        "check does not report the unreadable batch alone: {problems:?}"
+    );
     let img = failing.inner.image();
     let fs = Fs::open(Arc::new(MemDev::from_image(img)), Options::default()).unwrap();
     assert!(read_all(&fs, a) == pattern(8192, 1), "a's fsync was lost");
@@ -3736,4 +3752,20 @@ fn a_grow_while_a_commit_waits_for_room_writes_the_durable_superblock() {
     .unwrap();
     assert_eq!(fs.size(), 96 * MB);
     assert!(fs.lookup(ROOT_INO, b"d").is_ok());
+}
+
+/// A truncate answers the attributes as they are after it: the blocks of dirty data
+/// it dropped unwritten count no more.
+#[test]
+fn a_truncate_answers_the_blocks_left_after_it() {
+    let (_dev, fs) = mk(64 * MB);
+    let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
+    fs.write(f, 0, &pattern(MB as usize, 6)).unwrap();
+    assert!(fs.getattr(f).unwrap().blocks > 0);
+    let cut = SetAttr {
+        size: Some(0),
+        ..Default::default()
+    };
+    let a = fs.setattr(f, &cut).unwrap();
+    assert_eq!((a.size, a.blocks), (0, 0));
 }

@@ -126,7 +126,8 @@ impl Inner {
             list[p].chunks = Some((base, value.len() as u32));
             enc = encode_xattrs(&list);
             if enc.len() > max {
-                return Err(Error::NoSpace);
+                // The names that share this one's hash fill their item.
+                return Err(Error::Overflow);
             }
             self.write_chunks(ino, base, value, max)?;
             self.store.use_feature(INCOMPAT_XATTR_CHUNKS);

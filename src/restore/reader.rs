@@ -511,6 +511,12 @@ fn replay_log(
     };
     let batches = match crate::fs::log_batches(dev, sb, next) {
         Ok(found) => {
+            if let Some((n, e)) = found.unreadable {
+                rep.problem(format!(
+                    "log batch {n}: the data it names cannot be read ({e}); \
+                     the fsyncs it and the batches after it hold are not restored"
+                ));
+            }
             if let Some(n) = found.damaged {
                 rep.problem(format!(
                     "log batch {n} names blocks outside the data area, or an item larger than a \
