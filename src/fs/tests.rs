@@ -11,10 +11,24 @@ const MB: u64 = 1 << 20;
 const BS: u64 = 4096;
 
 pub(super) fn mk(size: u64) -> (Arc<MemDev>, Fs) {
+    mk_with(size, &MkfsOptions::default())
+}
+
+/// A filesystem of `size` bytes made with `opts`, on an in-memory device.
+fn mk_with(size: u64, opts: &MkfsOptions) -> (Arc<MemDev>, Fs) {
     let dev = Arc::new(MemDev::new(size));
-    Fs::mkfs(dev.clone(), &MkfsOptions::default()).unwrap();
+    Fs::mkfs(dev.clone(), opts).unwrap();
     let fs = Fs::open(dev.clone(), Options::default()).unwrap();
     (dev, fs)
+}
+
+/// [`mk`] with 4 KiB tree nodes: deep trees and full items come soon.
+fn mk_small_nodes(size: u64) -> (Arc<MemDev>, Fs) {
+    let opts = MkfsOptions {
+        node_size: Some(4096),
+        ..Default::default()
+    };
+    mk_with(size, &opts)
 }
 
 /// `len` bytes of a pattern that differs with `seed`.
@@ -1200,13 +1214,7 @@ fn inode_flags_forbid_changes_and_survive_a_crash_after_fsync() {
 #[test]
 fn names_in_inode_refs_and_extended_refs_match_a_model() {
     use std::collections::BTreeMap;
-    let dev = Arc::new(MemDev::new(64 * MB));
-    let opts = MkfsOptions {
-        node_size: Some(4096),
-        ..Default::default()
-    };
-    Fs::mkfs(dev.clone(), &opts).unwrap();
-    let mut fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let (dev, mut fs) = mk_small_nodes(64 * MB);
     let dirs = [ROOT_INO, fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap().ino];
     let mut model: BTreeMap<(u64, Vec<u8>), u64> = BTreeMap::new();
     let files: Vec<u64> = (0..3)
@@ -1430,16 +1438,7 @@ fn mkfs_wipes_the_signatures_of_what_the_device_held() {
 /// it does not fit (which panicked at commit).
 #[test]
 fn small_nodes_refuse_items_they_cannot_hold() {
-    let dev = Arc::new(MemDev::new(32 * MB));
-    Fs::mkfs(
-        dev.clone(),
-        &MkfsOptions {
-            node_size: Some(4096),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let (dev, fs) = mk_small_nodes(32 * MB);
     let c = Creds::default();
     let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, c).unwrap().ino;
     // An xattr value larger than an item goes into chunks, up to Linux's 64 KiB.
@@ -2474,10 +2473,19 @@ fn trim_is_refused_read_only() {
 
 /// A fresh file system of `size` bytes, mounted on a crash-recording device.
 fn on_crash_dev(size: u64) -> (Arc<crate::dev::CrashDev>, Fs) {
-    let (mem, fs) = mk(size);
+    on_crash_dev_with(size, &MkfsOptions::default(), Options::default())
+}
+
+/// [`on_crash_dev`], made with `mkfs` and mounted with `opts`.
+fn on_crash_dev_with(
+    size: u64,
+    mkfs: &MkfsOptions,
+    opts: Options,
+) -> (Arc<crate::dev::CrashDev>, Fs) {
+    let (mem, fs) = mk_with(size, mkfs);
     fs.unmount().unwrap();
     let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let fs = Fs::open(dev.clone(), opts).unwrap();
     (dev, fs)
 }
 
@@ -3362,13 +3370,7 @@ fn colliding_names(n: usize) -> Vec<Vec<u8>> {
 /// (the replaced entry leaves room).
 #[test]
 fn a_name_for_a_full_dir_item_is_refused_before_anything_changes() {
-    let dev = Arc::new(MemDev::new(64 * MB));
-    let mkfs = MkfsOptions {
-        node_size: Some(4096),
-        ..Default::default()
-    };
-    Fs::mkfs(dev.clone(), &mkfs).unwrap();
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let (dev, fs) = mk_small_nodes(64 * MB);
     let names = colliding_names(40);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
     let mut made = 0;
@@ -3421,13 +3423,7 @@ fn a_name_for_a_full_dir_item_is_refused_before_anything_changes() {
 #[test]
 fn a_tree_change_failing_halfway_stops_changes_until_the_next_mount() {
     use crate::dev::BlockDev;
-    let dev = Arc::new(MemDev::new(64 * MB));
-    let mkfs = MkfsOptions {
-        node_size: Some(4096),
-        ..Default::default()
-    };
-    Fs::mkfs(dev.clone(), &mkfs).unwrap();
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let (dev, fs) = mk_small_nodes(64 * MB);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, cr()).unwrap();
     for i in 0..3000 {
         let name = format!("file-{i:05}");
@@ -3546,9 +3542,6 @@ fn a_failed_truncate_keeps_the_dirty_data_past_the_new_size() {
 /// still reads, and with room again the writes go on and everything is fsynced.
 #[test]
 fn a_write_into_a_cache_that_failing_writebacks_keep_full_is_refused_whole() {
-    let (mem, fs) = mk(64 * MB);
-    fs.unmount().unwrap();
-    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
     let o = Options {
         cache: CacheOptions {
             cache_size: 4 * MB,
@@ -3556,7 +3549,7 @@ fn a_write_into_a_cache_that_failing_writebacks_keep_full_is_refused_whole() {
         },
         ..Options::default()
     };
-    let fs = Fs::open(dev.clone(), o).unwrap();
+    let (dev, fs) = on_crash_dev_with(64 * MB, &MkfsOptions::default(), o);
     let a = fs.mknod(ROOT_INO, b"a", 0o644, 0, cr()).unwrap().ino;
     let b = fs.mknod(ROOT_INO, b"b", 0o644, 0, cr()).unwrap().ino;
     dev.refuse_writes_from(Some(past_log(&fs)));
@@ -3673,14 +3666,11 @@ fn a_read_error_checking_logged_data_fails_the_mount_and_keeps_the_log() {
 /// commit's nodes): that failure is the next fsync's to report.
 #[test]
 fn an_fsync_durable_in_the_log_is_ok_when_the_commit_after_it_fails() {
-    let mem = Arc::new(MemDev::new(64 * MB));
     let mkfs = MkfsOptions {
         log_size: Some(MB),
         ..Default::default()
     };
-    Fs::mkfs(mem.clone(), &mkfs).unwrap();
-    let dev = Arc::new(crate::dev::CrashDev::new(mem.image()));
-    let fs = Fs::open(dev.clone(), Options::default()).unwrap();
+    let (dev, fs) = on_crash_dev_with(64 * MB, &mkfs, Options::default());
     let f = fs.mknod(ROOT_INO, b"f", 0o644, 0, cr()).unwrap().ino;
     fs.commit().unwrap();
     dev.refuse_writes_from(Some(past_log(&fs)));
