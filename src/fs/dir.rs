@@ -250,15 +250,15 @@ impl Inner {
         Ok(e)
     }
 
-    /// Refuses (EOVERFLOW) `name` when its dir item, `list` less the entry named
-    /// `leaving`, has no room for it.
+    /// Refuses (EOVERFLOW) the names `adding` when their dir item, `list` less the
+    /// entry named `leaving`, has no room for them.
     ///
     /// `leaving` is removed by the same operation first. Checked before anything
     /// changes, so that no operation is left half done.
     fn check_entry_room(
         &self,
         list: &[DirEntry],
-        name: &[u8],
+        adding: &[&[u8]],
         leaving: Option<&[u8]>,
     ) -> Result<()> {
         let mut l: Vec<DirEntry> = list
@@ -266,12 +266,12 @@ impl Inner {
             .filter(|e| Some(e.name.as_slice()) != leaving)
             .cloned()
             .collect();
-        l.push(DirEntry {
+        l.extend(adding.iter().map(|name| DirEntry {
             ino: 0,
             dtype: 0,
             index: 0,
             name: name.to_vec(),
-        });
+        }));
         if encode_dir_entries(&l).len() > self.store.max_item_size() {
             return Err(Error::Overflow);
         }
@@ -451,7 +451,7 @@ impl Inner {
         if check_room {
             self.need_room()?;
         }
-        self.check_entry_room(&list, name, None)?;
+        self.check_entry_room(&list, &[name], None)?;
         let mode = if mode & libc::S_IFMT == 0 {
             mode | libc::S_IFREG
         } else {
@@ -650,21 +650,13 @@ impl Inner {
         check_name(nn)?;
         self.need_room()?;
         // The whiteout's dir item as the rename leaves it: without `n`, and with `nn`
-        // when that lands in it.
-        let mut list: Vec<DirEntry> = self.dir_item(p, n)?;
-        list.retain(|e| e.name != n);
-        if np == p
+        // when that lands in it (new there).
+        let list = self.dir_item(p, n)?;
+        let lands = np == p
             && dir_item_key(p, nn) == dir_item_key(p, n)
-            && !list.iter().any(|e| e.name == nn)
-        {
-            list.push(DirEntry {
-                ino: 0,
-                dtype: 0,
-                index: 0,
-                name: nn.to_vec(),
-            });
-        }
-        self.check_entry_room(&list, n, None)?;
+            && !list.iter().any(|e| e.name == nn);
+        let adding: &[&[u8]] = if lands { &[nn, n] } else { &[n] };
+        self.check_entry_room(&list, adding, Some(n))?;
         let flags = RenameFlags {
             noreplace,
             exchange: false,
@@ -755,7 +747,7 @@ impl Inner {
         } else {
             // A replaced entry leaves room for its successor; a new one needs it.
             let list = self.dir_item(np, nn)?;
-            self.check_entry_room(&list, nn, (p == np).then_some(n))?;
+            self.check_entry_room(&list, &[nn], (p == np).then_some(n))?;
         }
         self.back_ref(src.ino, np, 0, nn, false)?;
         if let Some(d) = &dst {

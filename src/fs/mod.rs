@@ -31,7 +31,7 @@ use crate::txn::Store;
 /// The inode flags that keep a name and the data from changing.
 pub(crate) const FIXED: u64 = inode_flag::IMMUTABLE | inode_flag::APPEND;
 
-pub use acl::is_acl_name;
+pub use acl::{is_acl_name, ACCESS as ACL_ACCESS};
 pub use inode::{without_suid, Attr, FileKind, SetAttr, TimeSet};
 pub(crate) use snapshot::LIVE_INO_LIMIT;
 pub use snapshot::{
@@ -1488,9 +1488,7 @@ pub(crate) fn log_batches(
              an item larger than a node holds, so it is damaged",
             batches.len()
         );
-    } else if unreadable.is_some() {
-        // Said by the caller.
-    } else if batches.len() < n {
+    } else if batches.len() < n && unreadable.is_none() {
         // The batches of a flush a crash cut short: answered fsyncs are never among them.
         tracing::info!(
             "log replay stops at batch {} of {n}: data it names did not land",

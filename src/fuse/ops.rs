@@ -30,7 +30,7 @@ use super::standby::Standby;
 use crate::error::Error;
 use crate::fs::{
     is_acl_name, is_snapshot_ino, without_suid, Attr, Creds, FallocMode, FileKind, Fs, RenameFlags,
-    SetAttr, TimeSet, ROOT_INO,
+    SetAttr, TimeSet, ACL_ACCESS, ROOT_INO,
 };
 
 /// How long the kernel may trust what it was told, without asking again.
@@ -1389,11 +1389,13 @@ impl FuseFs {
             return reply.error(err(libc::EOPNOTSUPP));
         }
         if is_acl_name(name) {
-            // The kernel leaves S_ISGID to the filesystem here (it would say so only
-            // with FUSE_SETXATTR_EXT, which fuser does not offer).
+            // The kernel leaves S_ISGID to the filesystem for an access ACL (it would
+            // say so only with FUSE_SETXATTR_EXT, which fuser does not offer).
             let ino = to_ino(nodeid);
-            let gid = self.fs.getattr(ino).map_or(u32::MAX, |a| a.gid);
-            let keep = CallerPrivs::of(c.pid).keeps_sgid(gid);
+            let keep = name != ACL_ACCESS || {
+                let gid = self.fs.getattr(ino).map_or(u32::MAX, |a| a.gid);
+                CallerPrivs::of(c.pid).keeps_sgid(gid)
+            };
             return empty(self.fs.set_acl(ino, name, value, keep), reply);
         }
         let create = flags & libc::XATTR_CREATE != 0;
